@@ -1,0 +1,243 @@
+"""Row stores: what the engram memory needs from its (possibly sharded) tables.
+
+`RowStore` is the protocol; `LocalRowStore` is the single-process implementation over plain tensors
+(the one-rank case), and `EngramGroup` (group.py) implements the same protocol over worker processes.
+
+Tables are `num_layers` tables of `rows_per_layer[l]` rows of `hidden` values each, stored as BF16 or
+as FP8 E4M3 with packed UE8M0 int32 scales per block of 128 values (see ue8m0.py). Every read returns
+float32; FP8 rows are dequantized with their scales. Every write of FP8 rows requantizes exactly the
+written rows with fresh scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from . import ue8m0
+
+TABLE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+@runtime_checkable
+class RowStore(Protocol):
+    """Sharded or local engram tables, addressed by global row ids."""
+
+    num_layers: int
+    hidden: int
+    rows_per_layer: list[int]
+    table_dtype: torch.dtype
+
+    def fetch_rows(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        """int32 [layers, tokens, entries] -> per layer float32 [tokens, entries, hidden]; ids < 0 or >= rows give zero rows."""
+
+    def read_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """int64 [k] -> float32 [k, hidden] (every id must be valid)."""
+
+    def write_rows(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Write float [k, hidden] into rows int64 [k] (every id valid; a repeated id keeps its last value)."""
+
+    def close(self) -> None:
+        """Release the tables (and processes, for a group). Idempotent."""
+
+
+# ----- validation shared by every RowStore implementation -----
+
+
+def check_table_geometry(rows_per_layer: Sequence[int], hidden: int, table_dtype: torch.dtype) -> list[int]:
+    if table_dtype not in TABLE_DTYPES:
+        raise ValueError(f"table_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {table_dtype}")
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0:
+        raise ValueError(f"hidden must be a positive int, got {hidden!r}")
+    rows = [int(n) for n in rows_per_layer]
+    if not rows or any(n <= 0 for n in rows):
+        raise ValueError(f"rows_per_layer must be a non-empty list of positive ints, got {list(rows_per_layer)!r}")
+    return rows
+
+
+def check_fetch_indices(indices: torch.Tensor, num_layers: int) -> None:
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 3:
+        shape = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(f"indices must be an int32 tensor [layers, tokens, entries], got {shape}")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32, got {indices.dtype}")
+    if indices.shape[0] != num_layers:
+        raise ValueError(f"indices cover {indices.shape[0]} layers, the tables have {num_layers}")
+
+
+def check_layer(layer: int, num_layers: int) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise IndexError(f"layer must be an int in [0, {num_layers}), got {layer!r}")
+    return layer
+
+
+def check_rows(rows: torch.Tensor, num_rows: int, layer: int) -> torch.Tensor:
+    """Validate global row ids of one layer; returns them as a flat int64 tensor."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool:
+        raise ValueError(f"rows must be a 1-D integer tensor, got {getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+    rows = rows.to(torch.int64)
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+        raise IndexError(f"layer {layer}: row ids must lie in [0, {num_rows}), got min {int(rows.min())} max {int(rows.max())}")
+    return rows
+
+
+def check_values(values: torch.Tensor, k: int, hidden: int, layer: int) -> torch.Tensor:
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+        raise ValueError(f"layer {layer}: values must be a floating-point tensor, got {getattr(values, 'dtype', type(values).__name__)}")
+    if tuple(values.shape) != (k, hidden):
+        raise ValueError(f"layer {layer}: values must have shape {(k, hidden)}, got {tuple(values.shape)}")
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"layer {layer}: values hold inf or NaN")
+    return values
+
+
+def last_occurrence(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop repeated row ids, keeping the last value written for each (deterministic scatter)."""
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    if unique.numel() == rows.numel():
+        return rows, values
+    position = torch.arange(rows.numel(), device=rows.device)
+    last = torch.full((unique.numel(),), -1, dtype=torch.int64, device=rows.device)
+    last.scatter_reduce_(0, inverse, position, reduce="amax")
+    return unique, values.index_select(0, last)
+
+
+def encode_rows(values: torch.Tensor, table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float [k, hidden] -> (table rows, packed scales or None) in the storage format of `table_dtype`."""
+    if table_dtype == torch.float8_e4m3fn:
+        return ue8m0.quantize_rows(values)
+    return values.to(torch.bfloat16).contiguous(), None
+
+
+def decode_rows(data: torch.Tensor, sf: torch.Tensor | None) -> torch.Tensor:
+    """Stored rows (BF16, or FP8 with packed scales) -> float32."""
+    if data.dtype == torch.float8_e4m3fn:
+        return ue8m0.dequantize_rows(data, sf)
+    return data.float()
+
+
+def _select(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """index_select that also works for FP8 tables on the CPU (through a byte view)."""
+    return table.view(torch.uint8).index_select(0, rows).view(table.dtype)
+
+
+class LocalRowStore:
+    """Engram tables in one process, as plain tensors (the one-rank `RowStore`).
+
+    `tables[l]` is `[rows_per_layer[l], hidden]` in `table_dtype`; for FP8, `scales[l]` is int32
+    `[rows_per_layer[l], num_sf_packs]` (UE8M0, blocks of 128). Tables start at zero (FP8 zero rows carry
+    the smallest scale, so they decode to exact zeros).
+    """
+
+    def __init__(
+        self,
+        rows_per_layer: Sequence[int],
+        hidden: int,
+        table_dtype: torch.dtype = torch.bfloat16,
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.rows_per_layer = check_table_geometry(rows_per_layer, hidden, table_dtype)
+        self.num_layers = len(self.rows_per_layer)
+        self.hidden = hidden
+        self.table_dtype = table_dtype
+        self.device = torch.device(device)
+        self.num_sf_packs = ue8m0.num_sf_packs(hidden) if table_dtype == torch.float8_e4m3fn else 0
+        self.tables: list[torch.Tensor] = [
+            torch.zeros((n, hidden), dtype=table_dtype, device=self.device) for n in self.rows_per_layer
+        ]
+        self.scales: list[torch.Tensor] | None = None
+        if table_dtype == torch.float8_e4m3fn:
+            _, zero_sf = ue8m0.quantize_rows(torch.zeros((1, hidden)))
+            self.scales = [zero_sf.to(self.device).expand(n, -1).contiguous() for n in self.rows_per_layer]
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"LocalRowStore(rows_per_layer={self.rows_per_layer}, hidden={self.hidden}, table_dtype={self.table_dtype})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LocalRowStore is closed")
+
+    # ----- RowStore -----
+
+    def fetch_rows(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        self._check_open()
+        check_fetch_indices(indices, self.num_layers)
+        _, tokens, entries = indices.shape
+        out = []
+        for layer, num_rows in enumerate(self.rows_per_layer):
+            ids = indices[layer].reshape(-1).to(device=self.device, dtype=torch.int64)
+            valid = (ids >= 0) & (ids < num_rows)
+            safe = torch.where(valid, ids, 0)
+            sf = self.scales[layer].index_select(0, safe) if self.scales is not None else None
+            rows = decode_rows(_select(self.tables[layer], safe), sf)
+            rows = rows.masked_fill_(~valid.unsqueeze(1), 0.0)
+            out.append(rows.view(tokens, entries, self.hidden))
+        return out
+
+    def read_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        self._check_open()
+        layer = check_layer(layer, self.num_layers)
+        rows = check_rows(rows, self.rows_per_layer[layer], layer).to(self.device)
+        sf = self.scales[layer].index_select(0, rows) if self.scales is not None else None
+        return decode_rows(_select(self.tables[layer], rows), sf)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self._check_open()
+        layer = check_layer(layer, self.num_layers)
+        rows = check_rows(rows, self.rows_per_layer[layer], layer).to(self.device)
+        values = check_values(values, rows.numel(), self.hidden, layer).to(self.device)
+        rows, values = last_occurrence(rows, values)
+        data, sf = encode_rows(values, self.table_dtype)
+        # FP8 kernels are missing on the CPU for index ops: move the bytes.
+        self.tables[layer].view(torch.uint8).index_copy_(0, rows, data.view(torch.uint8))
+        if self.scales is not None:
+            self.scales[layer].index_copy_(0, rows, sf)
+
+    def close(self) -> None:
+        self._closed = True
+        self.tables = []
+        self.scales = None
+
+    def __enter__(self) -> LocalRowStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- table files -----
+
+    def save_table_file(self, path: str, *, hashing: Any = None, streams: Any = None) -> None:
+        """Write the tables to a safetensors table file (see table_file.py); `hashing`/`streams` are opaque JSON."""
+        from .table_file import write_table_file
+
+        self._check_open()
+        write_table_file(path, self.tables, self.scales, hashing=hashing, streams=streams)
+
+    def load_table_file(self, path: str) -> dict:
+        """Replace the tables with a table file's (same geometry and dtype); returns the file's metadata."""
+        from .table_file import TableFile
+
+        self._check_open()
+        with TableFile(path) as f:
+            f.check_geometry(self.rows_per_layer, self.hidden, self.table_dtype)
+            for layer in range(self.num_layers):
+                data, sf = f.read_rows(layer, 0, self.rows_per_layer[layer])
+                self.tables[layer].copy_(data)
+                if self.scales is not None:
+                    self.scales[layer].copy_(sf)
+            return f.metadata
+
+    @classmethod
+    def from_table_file(cls, path: str, *, device: torch.device | str = "cpu") -> LocalRowStore:
+        """A store with a table file's geometry and contents."""
+        from .table_file import TableFile
+
+        with TableFile(path) as f:
+            geometry = (f.rows_per_layer, f.hidden, f.table_dtype)
+        store = cls(*geometry, device=device)
+        store.load_table_file(path)
+        return store
