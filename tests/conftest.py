@@ -1,0 +1,103 @@
+"""Fixtures shared by every test.
+
+Layout of the suite: tests/unit (pure torch, no ComfyUI), tests/integration (a real ComfyUI server
+with this pack in custom_nodes/, driven over HTTP), tests/browser (the real frontend in headless
+Chromium). Markers `unit`, `integration`, `browser` are applied by folder.
+
+Fixtures for integration and browser tests:
+- `comfy_server` (session): a real ComfyUI 0.3.75 (or COMFYUI_PATH) on a free loopback port, its own
+  base directory (`comfy_server.base_dir`: models/, output/, input/, custom_nodes/fp8_engram).
+- `comfy` (session): a `ComfyClient` for that server: `.run(graph)` -> history entry (raises
+  `WorkflowError` with the node's exception text), `.submit(graph)` -> raw response (400 +
+  node_errors for bad inputs), `.object_info()`, `.view(filename, subfolder, type)`, `.free()`.
+- `models_dir` (session): `<base>/models`, holding the tiny models (tests may add files there:
+  ComfyUI lists folders anew on each request).
+- `output_dir` (session): `<base>/output`.
+Graph builders live in tests/helpers/graphs.py (`from helpers.graphs import sd3_txt2img`).
+Any test may `import fp8_engram` (the pack as a library).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = ROOT / ".host"
+
+# `import fp8_engram` (the pack under its fixed name), `import comfyhost`, `import helpers`.
+(HOST / "pkg").mkdir(parents=True, exist_ok=True)
+_pkg_link = HOST / "pkg" / "fp8_engram"
+if not _pkg_link.exists():
+    _pkg_link.symlink_to(ROOT, target_is_directory=True)
+for path in (HOST / "pkg", ROOT / "scripts", ROOT / "tests"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from comfyhost import ComfyServer, WorkflowError, comfyui_root  # noqa: E402
+
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(ROOT).parts
+        if len(parts) > 1 and parts[0] == "tests" and parts[1] in ("unit", "integration", "browser"):
+            item.add_marker(getattr(pytest.mark, parts[1]))
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def tiny_models_cache() -> Path:
+    """The tiny random models, made once per machine (they are seeded, so always the same)."""
+    cache = HOST / "cache" / "models"
+    try:
+        comfyui_root()
+    except FileNotFoundError as exc:
+        pytest.fail(f"{exc}")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "tiny_models.py"), str(cache)], check=True)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory, tiny_models_cache):
+    base = tmp_path_factory.mktemp("comfy_base")
+    models = base / "models"
+    for src in tiny_models_cache.rglob("*.safetensors"):
+        dst = models / src.relative_to(tiny_models_cache)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(src)
+    server = ComfyServer(base_dir=base)
+    server.start()
+    yield server
+    server.stop()
+    if os.environ.get("CI") or os.environ.get("KEEP_COMFY_LOG"):
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / "comfyui.log").write_text(server.log_tail(100000))
+
+
+@pytest.fixture(scope="session")
+def comfy(comfy_server):
+    return comfy_server.client()
+
+
+@pytest.fixture(scope="session")
+def models_dir(comfy_server) -> Path:
+    return comfy_server.base_dir / "models"
+
+
+@pytest.fixture(scope="session")
+def output_dir(comfy_server) -> Path:
+    return comfy_server.base_dir / "output"
+
+
+__all__ = ["WorkflowError"]

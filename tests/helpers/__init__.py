@@ -1,0 +1,1 @@
+"""Shared test helpers (graph builders, file builders). Importable as `helpers` under pytest."""
