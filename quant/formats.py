@@ -1,0 +1,661 @@
+"""Read every published FP8 checkpoint format from a safetensors file, lazily.
+
+Contract:
+- `read_header(path)` parses and validates the safetensors header only (no tensor data is read).
+- `detect_format(path)` works out, per quantized layer, which format wrote it and which layout its
+  scale describes; it reads only the small tensors (scales, markers, `.comfy_quant` JSON).
+- `load_file(path)` returns `(state_dict, FormatReport)`: every quantized linear weight becomes a
+  `QuantizedTensor` built with `QuantizedTensor.from_parts` over the memory-mapped FP8 bytes (no
+  full-precision copy is made; pages are read when first touched), scale/marker keys are consumed,
+  and every other tensor passes through in its stored dtype.
+
+Formats (see DESIGN.md):
+
+| name                   | recognised by                                                          |
+|------------------------|------------------------------------------------------------------------|
+| `plain_fp8`            | 2-D `.weight` stored as float8, no scale anywhere                      |
+| `comfy_scaled_fp8`     | marker `<prefix>scaled_fp8` (0 or 2 elements) + `.scale_weight` scalar |
+| `comfy_quant_metadata` | header metadata `_quantization_metadata` + `.weight_scale`             |
+| `comfy_quant_per_layer`| `<layer>.comfy_quant` uint8 JSON + `.weight_scale`                     |
+| `musubi_fp8_scaled`    | `.scale_weight` without a marker, or shaped `[out, n, 1]` / `[out, 1]` |
+| `weight_scale`         | `.weight_scale` (+ `.input_scale`) without ComfyUI metadata: modelopt, |
+|                        | diffusers, compressed-tensors                                          |
+| `blockwise_scale_inv`  | `.weight_scale_inv` per block (DeepSeek style, 128x128)                |
+
+Every scale multiplies: `w = fp8 * expand(scale)`. Anything unknown or inconsistent raises
+`FormatError`, whose message names the file, the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_BY_NAME = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+# safetensors dtype strings -> torch dtypes (the ones a checkpoint can hold)
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        ST_DTYPES[_name] = getattr(torch, _attr)
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+# Format names (FormatReport.format, LayerInfo.source)
+PLAIN = "plain_fp8"
+COMFY_SCALED = "comfy_scaled_fp8"
+COMFY_METADATA = "comfy_quant_metadata"
+COMFY_PER_LAYER = "comfy_quant_per_layer"
+MUSUBI = "musubi_fp8_scaled"
+WEIGHT_SCALE = "weight_scale"
+BLOCKWISE_INV = "blockwise_scale_inv"
+UNQUANTIZED = "unquantized"
+
+MARKER = "scaled_fp8"
+QUANT_METADATA_KEY = "_quantization_metadata"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+_SCALE_SUFFIXES = (".scale_weight", ".weight_scale_inv", ".weight_scale")
+_INPUT_SCALE_SUFFIXES = (".input_scale", ".scale_input")
+# Keys of quantization schemes this pack does not read (int4/nvfp4/zero points): refuse clearly.
+_UNSUPPORTED_SUFFIXES = (".weight_scale_2", ".weight_zero_point", ".weight_global_scale", ".weight_packed",
+                         ".weight_shape", ".qweight", ".qzeros", ".scales", ".absmax", ".quant_map")
+
+
+class FormatError(ValueError):
+    """A file this pack cannot read as it claims to be; the message names file, key and expectation."""
+
+
+def _err(path, key, problem: str, expected: str | None = None) -> FormatError:
+    where = f"{os.fspath(path)}" + (f", key '{key}'" if key else "")
+    msg = f"{where}: {problem}"
+    if expected:
+        msg += f"; expected {expected}"
+    return FormatError(msg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Header
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # offsets inside the data section
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SafetensorsHeader:
+    path: str
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+
+def read_header(path) -> SafetensorsHeader:
+    """Parse and check a safetensors header: every tensor's dtype, shape and byte range must agree."""
+    path = os.fspath(path)
+    try:
+        file_size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _err(path, None, f"file is {file_size} bytes long, too short to be safetensors",
+                           "an 8-byte header length followed by a JSON header")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or n > file_size - 8:
+                raise _err(path, None, f"header length field says {n} bytes but the file has {file_size - 8} "
+                           "bytes after it (truncated file, or not a safetensors file)",
+                           f"a header length of at most {min(MAX_HEADER_BYTES, file_size - 8)}")
+            raw = f.read(n)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read the file ({exc})") from exc
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _err(path, None, f"the header is not valid JSON ({exc})", "a safetensors JSON header") from exc
+    if not isinstance(header, dict):
+        raise _err(path, None, "the header is not a JSON object", "a safetensors JSON header")
+
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _err(path, "__metadata__", "metadata is not a map of strings", "{name: string}")
+    data_start = 8 + n
+    data_size = file_size - data_start
+    tensors: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise _err(path, name, "header entry is not an object", "{dtype, shape, data_offsets}")
+        dtype = ST_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise _err(path, name, f"unsupported tensor dtype {info.get('dtype')!r}",
+                       "one of " + ", ".join(sorted(ST_DTYPES)))
+        shape = info.get("shape")
+        offsets = info.get("data_offsets")
+        if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[1] < offsets[0]):
+            raise _err(path, name, f"malformed shape {shape!r} or data_offsets {offsets!r}",
+                       "a list of non-negative ints and [begin, end] with begin <= end")
+        entry = TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        want = entry.numel * itemsize
+        if entry.nbytes != want:
+            raise _err(path, name, f"header says shape {list(shape)} of {info['dtype']} ({want} bytes) but its "
+                       f"data_offsets span {entry.nbytes} bytes (the header lies about sizes)",
+                       f"data_offsets spanning exactly {want} bytes")
+        if entry.end > data_size:
+            raise _err(path, name, f"tensor data ends at byte {entry.end} of the data section, which has only "
+                       f"{data_size} bytes (truncated file)", f"a file of at least {data_start + entry.end} bytes")
+        tensors[name] = entry
+    return SafetensorsHeader(path, tensors, dict(metadata), data_start, file_size)
+
+
+class _LazyReader:
+    """Opens the file with safetensors (memory-mapped) on first use; wraps its errors with the path."""
+
+    def __init__(self, path: str, device: str = "cpu"):
+        self.path = path
+        self.device = device
+        self._handle = None
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        try:
+            if self._handle is None:
+                self._handle = safe_open(self.path, framework="pt", device=self.device)
+            return self._handle.get_tensor(key)
+        except FormatError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
+            raise _err(self.path, key, f"safetensors could not read this tensor ({exc})",
+                       "a complete, valid safetensors file") from exc
+
+
+# --------------------------------------------------------------------------------------------------
+# Layer plans
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class LayerInfo:
+    """How one quantized linear layer is stored."""
+
+    name: str  # layer prefix, e.g. "joint_blocks.0.x_block.attn.qkv"
+    source: str  # format name that wrote it
+    granularity: str  # "tensor" | "row" | "block"
+    block: tuple[int, int] | None  # (rows, cols) for block-wise
+    fp8_dtype: torch.dtype
+    shape: tuple[int, int]
+    weight_key: str
+    scale_key: str | None
+    input_scale_key: str | None = None
+    full_precision_mm: bool = False  # the file says: do not run fp8 x fp8 on this layer
+    consumed: tuple[str, ...] = ()  # keys (besides weight/scale/input scale) that belong to this layer
+
+    def describe(self) -> str:
+        lay = self.granularity if self.block is None else f"block {self.block[0]}x{self.block[1]}"
+        return f"{self.name}: {list(self.shape)} {str(self.fp8_dtype).removeprefix('torch.')} {lay} ({self.source})"
+
+
+@dataclass
+class FormatReport:
+    path: str
+    format: str  # main format name, or "a+b" when a file mixes formats (e.g. checkpoint with a TE)
+    formats: dict[str, int]  # format -> number of layers
+    layers_quantized: int
+    linear_weights: int  # 2-D `.weight` tensors in the file (quantized or not)
+    bytes_on_disk: int
+    bytes_bf16: int  # the same weights stored as bf16 (scales and markers dropped)
+    fp8_dtypes: list[str]
+    granularities: dict[str, int]
+    fp8_matmul_allowed: bool
+    layers: list[LayerInfo] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    stock_comfy_readable: bool = True  # whether stock ComfyUI 0.3.75 reads the scales of this file
+
+    def summary(self) -> dict:
+        """JSON-able summary (what nodes show in the UI)."""
+        return {
+            "file": os.path.basename(self.path),
+            "format": self.format,
+            "layers_quantized": self.layers_quantized,
+            "linear_weights": self.linear_weights,
+            "fp8_dtypes": self.fp8_dtypes,
+            "granularity": self.granularities,
+            "bytes_on_disk": self.bytes_on_disk,
+            "bytes_bf16": self.bytes_bf16,
+            "ratio_vs_bf16": round(self.bytes_on_disk / self.bytes_bf16, 4) if self.bytes_bf16 else None,
+            "fp8_matmul_allowed": self.fp8_matmul_allowed,
+            "stock_comfyui_reads_scales": self.stock_comfy_readable,
+            "notes": list(self.notes),
+        }
+
+    def text(self, per_layer: bool = False) -> str:
+        s = self.summary()
+        lines = [
+            f"file:             {self.path}",
+            f"format:           {self.format}",
+            f"layers quantized: {self.layers_quantized} of {self.linear_weights} linear weights",
+            f"fp8 dtypes:       {', '.join(self.fp8_dtypes) or '-'}",
+            f"granularity:      {', '.join(f'{k}: {v}' for k, v in self.granularities.items()) or '-'}",
+            f"bytes on disk:    {self.bytes_on_disk:,} ({self.bytes_on_disk / 2**20:.2f} MiB)",
+            f"as bf16:          {self.bytes_bf16:,} ({self.bytes_bf16 / 2**20:.2f} MiB), ratio {s['ratio_vs_bf16']}",
+            f"fp8 matmul:       {'allowed' if self.fp8_matmul_allowed else 'not allowed by the file'}",
+            f"stock ComfyUI:    {'reads its scales' if self.stock_comfy_readable else 'cannot read its scales'}",
+        ]
+        lines += [f"note:             {n}" for n in self.notes]
+        if per_layer:
+            lines.append("layers:")
+            lines += [f"  {info.describe()}" for info in self.layers]
+        return "\n".join(lines)
+
+
+@dataclass
+class DetectedFormat:
+    header: SafetensorsHeader
+    layers: dict[str, LayerInfo]  # by weight key
+    consumed: set[str]  # every key that is not part of the normalized state dict
+    input_scales: dict[str, torch.Tensor]  # weight key -> float32 []
+    scales: dict[str, torch.Tensor]  # weight key -> float32 scale in the layout's shape
+    orig_dtype: torch.dtype
+    report: FormatReport
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def infer_layout(path, scale_key: str, weight_shape, scale_shape, source: str,
+                 block_hint: tuple[int, int] | None = None) -> tuple[str, tuple[int, int] | None, tuple[int, ...]]:
+    """Map a scale shape to (granularity, block, normalized scale shape) for a weight [out, in]."""
+    out, inp = weight_shape
+    sshape = tuple(scale_shape)
+    numel = math.prod(sshape)
+    if numel == 1 and len(sshape) <= 2:
+        return "tensor", None, ()
+    if sshape in ((out,), (out, 1)):
+        return "row", None, (out, 1)
+    if len(sshape) == 3 and sshape[0] == out and sshape[2] == 1:  # musubi block-wise along the input dim
+        nb = sshape[1]
+        if nb > 0 and inp % nb == 0:
+            return "block", (1, inp // nb), (out, nb)
+    if len(sshape) == 2 and all(s > 0 for s in sshape):
+        a, b = sshape
+        candidates = []
+        if block_hint is not None:
+            candidates.append(tuple(block_hint))
+        candidates.append((128, 128))
+        candidates.append((_ceil_div(out, a), _ceil_div(inp, b)))
+        if a == out:
+            candidates.append((1, _ceil_div(inp, b)))
+        for r, c in candidates:
+            if r > 0 and c > 0 and _ceil_div(out, r) == a and _ceil_div(inp, c) == b:
+                return "block", (r, c), (a, b)
+    raise _err(path, scale_key, f"scale shape {list(sshape)} fits no layout for weight shape [{out}, {inp}]",
+               f"[] or [1] (per tensor), [{out}] or [{out}, 1] (per row), [{out}, n, 1] with {inp} % n == 0 "
+               "(musubi blocks), or [ceil(out/r), ceil(in/c)] (blocks)")
+
+
+def _check_scale_values(path, key: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dtype not in FLOAT_DTYPES:
+        raise _err(path, key, f"scale has dtype {str(t.dtype).removeprefix('torch.')}",
+                   "a float32, float16 or bfloat16 scale")
+    t = t.to(torch.float32)
+    if t.numel() == 0:
+        raise _err(path, key, "scale is empty", "at least one element")
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        raise _err(path, key, f"scale holds {int(bad.sum())} non-finite value(s) (NaN or inf)", "finite scales > 0")
+    nonpos = t <= 0
+    if bool(nonpos.any()):
+        raise _err(path, key, f"scale holds {int(nonpos.sum())} zero or negative value(s)", "finite scales > 0")
+    return t
+
+
+def _parse_json_metadata(path, key: str, text: str, what: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _err(path, key, f"metadata is not valid JSON ({exc})", what) from exc
+
+
+def _layer_name(weight_key: str) -> str:
+    return weight_key[: -len(".weight")]
+
+
+def _fp8_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = None,
+                  header: SafetensorsHeader | None = None, reader: _LazyReader | None = None) -> DetectedFormat:
+    """Work out the format of every quantized layer of a safetensors file (reads small tensors only)."""
+    path = os.fspath(path)
+    hdr = header or read_header(path)
+    rd = reader or _LazyReader(path, device)
+    T = hdr.tensors
+    consumed: set[str] = set()
+
+    for key in T:
+        for suf in _UNSUPPORTED_SUFFIXES:
+            if key.endswith(suf):
+                raise _err(path, key, f"this file uses a quantization scheme this pack does not read ('{suf}' keys, "
+                           "e.g. int4/nvfp4/zero points)", "an FP8 checkpoint (float8 weights with float scales)")
+
+    # ---- markers of ComfyUI's legacy scaled fp8 format: "<prefix>scaled_fp8"
+    markers: dict[str, bool] = {}  # prefix -> fp8 matmul allowed
+    for key, e in T.items():
+        if key == MARKER or key.endswith("." + MARKER):
+            if e.numel not in (0, 2):
+                raise _err(path, key, f"scaled_fp8 marker has {e.numel} elements",
+                           "0 elements (fp8 matmul allowed) or 2 (not allowed)")
+            markers[key[: -len(MARKER)]] = e.numel == 0
+            consumed.add(key)
+
+    def marker_for(name: str):
+        best = None
+        for prefix in markers:
+            if name.startswith(prefix) and (best is None or len(prefix) > len(best)):
+                best = prefix
+        return best
+
+    # ---- ComfyUI mixed precision header metadata
+    meta_layers: dict[str, dict] | None = None
+    if QUANT_METADATA_KEY in hdr.metadata:
+        mk = f"__metadata__.{QUANT_METADATA_KEY}"
+        expected = '{"format_version": "1.0", "layers": {name: {"format": "float8_e4m3fn"}}}'
+        qm = _parse_json_metadata(path, mk, hdr.metadata[QUANT_METADATA_KEY], expected)
+        if not isinstance(qm, dict) or not isinstance(qm.get("layers"), dict):
+            raise _err(path, mk, "quantization metadata has no 'layers' object", expected)
+        meta_layers = {}
+        for name, entry in qm["layers"].items():
+            if not isinstance(entry, dict):
+                raise _err(path, f"{mk}.layers.{name}", f"layer entry is {type(entry).__name__} {entry!r}, not an object",
+                           '{"format": "float8_e4m3fn"} (the plain-string form crashes ComfyUI 0.3.75)')
+            if entry.get("format") not in FP8_BY_NAME:
+                raise _err(path, f"{mk}.layers.{name}", f"unsupported layer format {entry.get('format')!r}",
+                           "'float8_e4m3fn' or 'float8_e5m2'")
+            meta_layers[name] = entry
+
+    block_hint = None
+    if "quantization_config" in hdr.metadata:
+        qc = _parse_json_metadata(path, "__metadata__.quantization_config", hdr.metadata["quantization_config"],
+                                  "a JSON quantization_config")
+        if not isinstance(qc, dict):
+            raise _err(path, "__metadata__.quantization_config", "quantization_config is not a JSON object",
+                       "a JSON object")
+        method = str(qc.get("quant_method", qc.get("quant_algo", "fp8"))).lower()
+        if "fp8" not in method and method not in ("compressed-tensors", "modelopt", "fbgemm_fp8"):
+            raise _err(path, "__metadata__.quantization_config", f"quantization method {method!r} is not FP8",
+                       "an FP8 quantization_config")
+        wbs = qc.get("weight_block_size")
+        if isinstance(wbs, list) and len(wbs) == 2 and all(isinstance(v, int) and v > 0 for v in wbs):
+            block_hint = (wbs[0], wbs[1])
+
+    # ---- orphan scales / comfy_quant entries
+    weight_keys = {k for k in T if k.endswith(".weight")}
+    for key in T:
+        for suf in _SCALE_SUFFIXES + _INPUT_SCALE_SUFFIXES + (".comfy_quant",):
+            if key.endswith(suf):
+                wk = key[: -len(suf)] + ".weight"
+                if wk not in T:
+                    raise _err(path, key, f"'{suf}' entry without a weight", f"a tensor '{wk}'")
+                break
+
+    layers: dict[str, LayerInfo] = {}
+    scales: dict[str, torch.Tensor] = {}
+    input_scales: dict[str, torch.Tensor] = {}
+
+    for wk in sorted(weight_keys):
+        e = T[wk]
+        name = _layer_name(wk)
+        present = [s for s in _SCALE_SUFFIXES if name + s in T]
+        cq_key = name + ".comfy_quant"
+        has_cq = cq_key in T
+        in_meta = meta_layers is not None and name in meta_layers
+        is_fp8 = e.dtype in FP8_DTYPES
+        if not (present or has_cq or in_meta):
+            continue  # plain tensors and plain casts are decided below
+        if len(present) > 1:
+            raise _err(path, name + present[1], f"layer has several scale keys {present}",
+                       "exactly one of .scale_weight, .weight_scale, .weight_scale_inv")
+        if not is_fp8:
+            raise _err(path, wk, f"weight has dtype {_fp8_name(e.dtype)} but the file gives it a quantization scale",
+                       "a float8_e4m3fn or float8_e5m2 weight")
+        if len(e.shape) != 2:
+            raise _err(path, wk, f"quantized weight has shape {list(e.shape)}", "a 2-D linear weight [out, in]")
+        full_precision_mm = False
+        extra: list[str] = []
+        hint = block_hint
+        if has_cq:
+            source = COMFY_PER_LAYER
+            raw = rd.get(cq_key)
+            expected = 'uint8 bytes of a JSON object like {"format": "float8_e4m3fn"}'
+            if raw.dtype != torch.uint8 or raw.dim() != 1:
+                raise _err(path, cq_key, f"comfy_quant tensor has dtype {raw.dtype} and shape {list(raw.shape)}", expected)
+            try:
+                cq = json.loads(bytes(raw.tolist()).decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise _err(path, cq_key, f"comfy_quant bytes are not JSON ({exc})", expected) from exc
+            if not isinstance(cq, dict) or cq.get("format") not in FP8_BY_NAME:
+                raise _err(path, cq_key, f"comfy_quant says {cq!r}", "an object with format 'float8_e4m3fn' or 'float8_e5m2'")
+            if FP8_BY_NAME[cq["format"]] != e.dtype:
+                raise _err(path, cq_key, f"comfy_quant format {cq['format']} but the weight is {_fp8_name(e.dtype)}",
+                           "the format to match the weight's dtype")
+            full_precision_mm = bool(cq.get("full_precision_matrix_mult", False))
+            bs = cq.get("block_size")
+            if isinstance(bs, list) and len(bs) == 2:
+                hint = (int(bs[0]), int(bs[1]))
+            extra.append(cq_key)
+            if ".weight_scale" not in present:
+                raise _err(path, name + ".weight_scale", "missing scale for a quantized weight (comfy_quant present)",
+                           f"a tensor '{name}.weight_scale'")
+        elif in_meta:
+            source = COMFY_METADATA
+            fmt = meta_layers[name]["format"]
+            if FP8_BY_NAME[fmt] != e.dtype:
+                raise _err(path, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}",
+                           f"metadata says {fmt} but the weight is {_fp8_name(e.dtype)}", "matching dtypes")
+            full_precision_mm = bool(meta_layers[name].get("full_precision_matrix_mult", False))
+            if ".weight_scale" not in present:
+                raise _err(path, name + ".weight_scale", "missing scale for a quantized weight listed in "
+                           "_quantization_metadata", f"a tensor '{name}.weight_scale'")
+        elif ".scale_weight" in present:
+            prefix = marker_for(name)
+            source = COMFY_SCALED if prefix is not None else MUSUBI
+            if prefix is not None and not markers[prefix]:
+                full_precision_mm = True
+        elif ".weight_scale_inv" in present:
+            source = BLOCKWISE_INV
+        else:
+            source = WEIGHT_SCALE
+        suffix = present[0]
+        scale_key = name + suffix
+        se = T[scale_key]
+        gran, block, norm_shape = infer_layout(path, scale_key, e.shape, se.shape, source, hint)
+        if source == COMFY_SCALED and gran != "tensor":
+            source = MUSUBI  # a marker with non-scalar scales: musubi writes those
+        scale = _check_scale_values(path, scale_key, rd.get(scale_key)).reshape(norm_shape)
+        in_key = None
+        for s in _INPUT_SCALE_SUFFIXES:
+            if name + s in T:
+                in_key = name + s
+                ist = _check_scale_values(path, in_key, rd.get(in_key))
+                if ist.numel() != 1:
+                    raise _err(path, in_key, f"input scale has shape {list(ist.shape)}", "a scalar ([] or [1])")
+                input_scales[wk] = ist.reshape(())
+                consumed.add(in_key)
+        consumed.add(scale_key)
+        consumed.update(extra)
+        scales[wk] = scale
+        layers[wk] = LayerInfo(name, source, gran, block, e.dtype, tuple(e.shape), wk, scale_key, in_key,
+                               full_precision_mm, tuple(extra))
+
+    if meta_layers is not None:
+        for name in meta_layers:
+            if name + ".weight" not in T:
+                raise _err(path, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}",
+                           "metadata lists a layer the file does not hold", f"a tensor '{name}.weight'")
+
+    uses_scales = bool(layers)
+    # ---- fp8 2-D weights without any scale
+    for wk in sorted(weight_keys - set(layers)):
+        e = T[wk]
+        if e.dtype not in FP8_DTYPES or len(e.shape) != 2:
+            continue
+        name = _layer_name(wk)
+        if meta_layers is not None:
+            raise _err(path, wk, "float8 weight not listed in _quantization_metadata",
+                       f"an entry for '{name}' in the metadata and a '{name}.weight_scale' tensor")
+        if uses_scales or markers:
+            # In a scaled file an fp8 matrix without a scale is a missing scale, not a plain cast.
+            suffixes = [l.scale_key[len(l.name):] for l in layers.values()] or [".scale_weight"]
+            expected_suffix = max(set(suffixes), key=suffixes.count)
+            raise _err(path, name + expected_suffix, "missing scale for a quantized weight",
+                       f"a tensor '{name}{expected_suffix}' (every float8 matrix of this file has a scale)")
+        layers[wk] = LayerInfo(name, PLAIN, "tensor", None, e.dtype, tuple(e.shape), wk, None, None, False)
+        scales[wk] = torch.ones((), dtype=torch.float32)
+
+    # ---- logical dtype of the quantized weights
+    if orig_dtype is None:
+        counts: dict[torch.dtype, int] = {}
+        for k, e in T.items():
+            if k not in consumed and e.dtype in (torch.float16, torch.bfloat16, torch.float32):
+                counts[e.dtype] = counts.get(e.dtype, 0) + e.numel
+        orig_dtype = max(counts, key=counts.get) if counts else torch.bfloat16
+
+    report = _make_report(hdr, layers, consumed, markers)
+    return DetectedFormat(hdr, layers, consumed, input_scales, scales, orig_dtype, report)
+
+
+def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed: set[str], markers) -> FormatReport:
+    formats: dict[str, int] = {}
+    grans: dict[str, int] = {}
+    for info in layers.values():
+        formats[info.source] = formats.get(info.source, 0) + 1
+        g = info.granularity if info.block is None else f"block {info.block[0]}x{info.block[1]}"
+        grans[g] = grans.get(g, 0) + 1
+    name = "+".join(sorted(formats, key=lambda f: -formats[f])) if formats else UNQUANTIZED
+    bf16 = 0
+    linear = 0
+    for k, e in hdr.tensors.items():
+        if k in consumed:
+            continue
+        if k.endswith(".weight") and len(e.shape) == 2:
+            linear += 1
+        if e.dtype in FLOAT_DTYPES or e.dtype in FP8_DTYPES:
+            bf16 += e.numel * 2
+        else:
+            bf16 += e.nbytes
+    stock = all(i.granularity == "tensor" and i.source in (PLAIN, COMFY_SCALED, COMFY_METADATA) and
+                (i.source != COMFY_METADATA or i.fp8_dtype == torch.float8_e4m3fn) for i in layers.values())
+    notes = []
+    if not stock:
+        notes.append("stock ComfyUI 0.3.75 ignores the scales of this file's row/block/per-layer formats; load it with this pack")
+    fp8_mm = not any(i.full_precision_mm for i in layers.values())
+    if not fp8_mm:
+        notes.append("the file asks for full-precision matrix multiplication on some layers")
+    return FormatReport(
+        path=hdr.path, format=name, formats=formats, layers_quantized=len(layers), linear_weights=linear,
+        bytes_on_disk=hdr.file_size, bytes_bf16=bf16,
+        fp8_dtypes=sorted({_fp8_name(i.fp8_dtype) for i in layers.values()}), granularities=grans,
+        fp8_matmul_allowed=fp8_mm, layers=sorted(layers.values(), key=lambda i: i.name), notes=notes,
+        stock_comfy_readable=stock,
+    )
+
+
+def inspect_file(path) -> FormatReport:
+    """Format summary of a file without building any weight (for `convert --info`)."""
+    return detect_format(path).report
+
+
+ProgressFn = Callable[[int, int], None]
+
+
+def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = None, config=None,
+              progress: ProgressFn | None = None, keys: Iterable[str] | None = None) -> tuple[dict, FormatReport]:
+    """Normalized state dict + report. Quantized weights are `QuantizedTensor`s over the mapped FP8 data.
+
+    `config` (a ComputeConfig or None) is attached to every quantized weight. `progress(done, total)` is
+    called per tensor; it may raise to cancel. `keys`, when given, limits the tensors returned.
+    """
+    from . import QuantizationError, QuantizedTensor
+
+    path = os.fspath(path)
+    hdr = read_header(path)
+    rd = _LazyReader(path, device)
+    det = detect_format(path, device=device, orig_dtype=orig_dtype, header=hdr, reader=rd)
+    wanted = list(hdr.tensors) if keys is None else [k for k in keys if k in hdr.tensors]
+    out: dict[str, torch.Tensor] = {}
+    total = len(wanted)
+    for i, key in enumerate(wanted):
+        if key in det.consumed:
+            pass
+        elif key in det.layers:
+            info = det.layers[key]
+            qdata = rd.get(key)
+            layout = make_layout(info)
+            try:
+                qt = QuantizedTensor.from_parts(qdata, det.scales[key].to(qdata.device), layout, orig_dtype=det.orig_dtype,
+                                                input_scale=det.input_scales.get(key), config=config)
+            except QuantizationError as exc:
+                raise _err(path, key, f"cannot build the quantized weight ({exc})") from exc
+            out[key] = qt
+        else:
+            out[key] = rd.get(key)
+        if progress is not None:
+            progress(i + 1, total)
+    return out, det.report
+
+
+def make_layout(info: LayerInfo):
+    from . import Block, PerRow, PerTensor
+
+    if info.granularity == "tensor":
+        return PerTensor()
+    if info.granularity == "row":
+        return PerRow()
+    return Block(*info.block)
+
+
+__all__ = [
+    "FormatError", "FormatReport", "LayerInfo", "DetectedFormat", "SafetensorsHeader", "TensorEntry",
+    "read_header", "detect_format", "inspect_file", "load_file", "infer_layout", "make_layout",
+    "PLAIN", "COMFY_SCALED", "COMFY_METADATA", "COMFY_PER_LAYER", "MUSUBI", "WEIGHT_SCALE", "BLOCKWISE_INV",
+    "UNQUANTIZED", "FP8_DTYPES", "FP8_BY_NAME", "ST_DTYPES", "ST_NAMES",
+]
