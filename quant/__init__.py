@@ -1,0 +1,32 @@
+"""FP8 quantized tensors for ComfyUI models - pure torch, never imports ComfyUI.
+
+    from fp8_engram.quant import QuantizedTensor, PerTensor, PerRow, Block, ComputeConfig
+    qt = QuantizedTensor.from_float(w, PerRow(), fp8_dtype=torch.float8_e4m3fn)
+    y = torch.nn.functional.linear(x, qt, bias)      # or fp8_engram.quant.linear(x, qt, bias)
+"""
+
+import torch
+
+from .config import ComputeConfig
+from .layouts import FP8_DTYPES, Block, PerRow, PerTensor, QuantizationError, fp8_max
+from .tensor import QuantizedTensor, _rebuild_quantized_tensor
+from . import dispatch as _dispatch  # noqa: F401  (fills the op tables)
+from .linear import fp8_supported, linear
+
+# torch.load(weights_only=True) may rebuild these
+torch.serialization.add_safe_globals(
+    [QuantizedTensor, _rebuild_quantized_tensor, PerTensor, PerRow, Block, ComputeConfig]
+)
+
+__all__ = [
+    "QuantizedTensor",
+    "PerTensor",
+    "PerRow",
+    "Block",
+    "ComputeConfig",
+    "QuantizationError",
+    "FP8_DTYPES",
+    "fp8_max",
+    "fp8_supported",
+    "linear",
+]

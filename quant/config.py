@@ -1,0 +1,55 @@
+"""Per-model compute options for QuantizedTensor weights (attached to each weight, never to a class)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layouts import QuantizationError
+
+__all__ = ["ComputeConfig", "PATHS", "ACTIVATION_SCALINGS"]
+
+PATHS = ("auto", "fp8", "weight_only")
+ACTIVATION_SCALINGS = ("static", "dynamic_tensor", "dynamic_row")
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """How a quantized linear runs.
+
+    path:
+        "auto"        fp8 x fp8 on FP8 matrix units (CUDA capability 8.9+), weight-only elsewhere
+        "fp8"         always try fp8 x fp8 via scaled_mm (also on the CPU, for testing); a failure
+                      logs once and falls back to weight-only
+        "weight_only" dequantize the weight into the compute dtype and run a plain matmul
+    activation_scaling:
+        "static"         use the weight's ``input_scale`` (dynamic per tensor when it has none)
+        "dynamic_tensor" one scale per call from the activation's absolute maximum
+        "dynamic_row"    one scale per activation row (token)
+    compute_dtype:
+        dtype of the weight-only matmul and of the output; None = the activation's dtype
+    """
+
+    path: str = "auto"
+    activation_scaling: str = "static"
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise QuantizationError(f"ComputeConfig.path must be one of {PATHS}, got {self.path!r}")
+        if self.activation_scaling not in ACTIVATION_SCALINGS:
+            raise QuantizationError(
+                f"ComputeConfig.activation_scaling must be one of {ACTIVATION_SCALINGS}, "
+                f"got {self.activation_scaling!r}"
+            )
+        cd = self.compute_dtype
+        if cd is not None and (not isinstance(cd, torch.dtype) or not cd.is_floating_point
+                               or cd.itemsize < 2):
+            raise QuantizationError(
+                f"ComputeConfig.compute_dtype must be None or a float dtype such as torch.bfloat16, "
+                f"got {cd!r}"
+            )
+
+
+DEFAULT_CONFIG = ComputeConfig()

@@ -1,0 +1,295 @@
+"""Op tables for QuantizedTensor, in the three steps the design names.
+
+1. generic ops (any layout): detach, clone, alias, device moves (``_to_copy``), ``copy_``,
+   ``empty_like``, transposes, views where the layout allows, pinning, size checks;
+2. matmul-like ops, routed to :func:`linear.linear`: ``F.linear`` / ``matmul`` / ``mm`` /
+   ``addmm`` at the torch-function level (whole op, any input rank, autograd sees plain
+   tensors) and ``aten.linear`` / ``mm`` / ``addmm`` / ``matmul`` / ``bmm`` at the aten level;
+3. anything else: ``tensor.dequantize_fallback`` (logged once per op).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from .layouts import PerTensor, QuantizationError
+from .linear import linear
+from .tensor import ATEN_OPS, TORCH_FUNCTIONS, QuantizedTensor, dequantize_fallback, log_once
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+def implements(*ops):
+    def register(fn):
+        for op in ops:
+            ATEN_OPS[op] = fn
+        return fn
+    return register
+
+
+def implements_torch_function(*funcs):
+    def register(fn):
+        for f in funcs:
+            TORCH_FUNCTIONS[f] = fn
+        return fn
+    return register
+
+
+def _is_qt(t) -> bool:
+    return isinstance(t, QuantizedTensor)
+
+
+def _plain(t, dtype=None):
+    if _is_qt(t):
+        return t.dequantize(dtype)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. generic ops
+# ---------------------------------------------------------------------------------------------
+
+
+@implements(aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    return args[0]._map_tensors(lambda t: t.detach())
+
+
+@implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    # memory_format is meaningless here: the wrapper always reports contiguous strides
+    return args[0]._map_tensors(lambda t: t.clone())
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    qt = args[0]
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device")
+    non_blocking = kwargs.get("non_blocking", False)
+    pin = kwargs.get("pin_memory")
+
+    def move(t):
+        return aten._to_copy.default(t, device=device if device is not None else t.device,
+                                     non_blocking=non_blocking, pin_memory=pin)
+
+    if dtype is None or dtype == qt.dtype:
+        return qt._map_tensors(move)  # device move / copy: the data stays FP8
+    moved = qt if device is None or torch.device(device) == qt.device else qt._map_tensors(move)
+    # A dtype change means "give me that tensor as <dtype>": dequantize (never ignore it).
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        return moved.dequantize(dtype)
+    return moved.dequantize().to(dtype)
+
+
+@implements(aten.copy_.default)
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    if tuple(dst.shape) != tuple(src.shape):
+        raise QuantizationError(
+            f"copy_: shapes differ (destination {list(dst.shape)}, source {list(src.shape)})"
+        )
+    if not _is_qt(dst):  # plain <- quantized
+        return dst.copy_(src.dequantize(dst.dtype if dst.dtype.is_floating_point
+                                        and dst.dtype.itemsize >= 2 else None),
+                         non_blocking=non_blocking)
+    if (_is_qt(src) and src.layout == dst.layout and src.fp8_dtype == dst.fp8_dtype
+            and src.transposed == dst.transposed):
+        dst.qdata.copy_(src.qdata, non_blocking=non_blocking)
+        dst.scale.copy_(src.scale, non_blocking=non_blocking)
+        if src.input_scale is None:
+            dst.input_scale = None
+        elif dst.input_scale is None:
+            dst.input_scale = src.input_scale.to(dst.qdata.device, copy=True)
+        else:
+            dst.input_scale.copy_(src.input_scale, non_blocking=non_blocking)
+        return dst
+    # other layout / plain source: requantize into the destination's layout and FP8 dtype
+    dst.requantize_(_plain(src, torch.float32))
+    return dst
+
+
+@implements(aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    qt = args[0]
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device") or qt.device
+    if dtype is not None and dtype != qt.dtype:
+        return torch.empty(qt.shape, dtype=dtype, device=device)
+    return qt._replace(
+        qdata=torch.empty_like(qt.qdata, device=device),
+        scale=torch.ones_like(qt.scale, device=device),
+        input_scale=None if qt.input_scale is None else torch.ones_like(qt.input_scale,
+                                                                          device=device),
+    )
+
+
+def _transpose(qt):
+    if qt.qdata.dim() != 2:
+        return None
+    return qt._replace(transposed=not qt.transposed)
+
+
+@implements(aten.t.default)
+def _t(func, args, kwargs):
+    qt = args[0]
+    if qt.dim() < 2:
+        return qt._replace()
+    return _transpose(qt)
+
+
+@implements(aten.transpose.int)
+def _transpose_int(func, args, kwargs):
+    qt, d0, d1 = args[0], args[1], args[2]
+    nd = qt.dim()
+    d0, d1 = d0 % nd, d1 % nd
+    if d0 == d1:
+        return qt._replace()
+    if nd == 2:
+        return _transpose(qt)
+    return dequantize_fallback(func, args, kwargs)
+
+
+@implements(aten.permute.default)
+def _permute(func, args, kwargs):
+    qt, dims = args[0], [d % args[0].dim() for d in args[1]]
+    if dims == list(range(qt.dim())):
+        return qt._replace()
+    if qt.dim() == 2:
+        return _transpose(qt)
+    return dequantize_fallback(func, args, kwargs)
+
+
+@implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    qt, size = args[0], list(args[1])
+    numel = qt.numel()
+    if -1 in size:
+        known = 1
+        for s in size:
+            if s != -1:
+                known *= s
+        size[size.index(-1)] = numel // known if known else 0
+    if size == list(qt.shape):
+        return qt._replace()
+    if isinstance(qt.layout, PerTensor) and not qt.transposed:
+        # one scale for everything: any view of the data keeps its meaning
+        return qt._replace(qdata=qt.qdata.view(size))
+    return dequantize_fallback(func, args, kwargs)
+
+
+@implements(aten.is_same_size.default)
+def _is_same_size(func, args, kwargs):
+    return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+@implements(aten._has_compatible_shallow_copy_type.default)
+def _shallow_copy_type(func, args, kwargs):
+    # only another QuantizedTensor may replace one via `param.data = ...`
+    return _is_qt(args[0]) and _is_qt(args[1])
+
+
+@implements(aten.is_pinned.default)
+def _is_pinned(func, args, kwargs):
+    return args[0].qdata.is_pinned()
+
+
+@implements(aten._pin_memory.default)
+def _pin_memory(func, args, kwargs):
+    return args[0]._map_tensors(lambda t: t.pin_memory())
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. matmul-like ops
+# ---------------------------------------------------------------------------------------------
+
+
+def _matmul(a, b):
+    """a @ b where either side may be a QuantizedTensor; routes to linear() when it is one."""
+    if _is_qt(b) and not _is_qt(a) and b.dim() == 2 and b.transposed:
+        # x @ W.t()  ==  linear(x, W)   (the common case; any rank of x)
+        return linear(a, b.canonical())
+    if _is_qt(a) and not _is_qt(b) and a.dim() == 2 and not a.transposed:
+        # W @ y  ==  (y^T @ W^T)^T
+        if b.dim() == 1:
+            return linear(b, a)
+        if b.dim() >= 2:
+            return linear(b.transpose(-1, -2), a).transpose(-1, -2)
+    dt = a.dtype if not _is_qt(a) else (b.dtype if not _is_qt(b) else None)
+    return torch.matmul(_plain(a, dt if dt is not None and dt.is_floating_point else None),
+                        _plain(b, dt if dt is not None and dt.is_floating_point else None))
+
+
+def _addmm(bias, a, b, beta=1, alpha=1):
+    if beta == 1 and alpha == 1 and bias is not None and not _is_qt(bias) and bias.dim() <= 1 \
+            and _is_qt(b) and not _is_qt(a) and b.transposed:
+        return linear(a, b.canonical(), bias)
+    out = _matmul(a, b)
+    if alpha != 1:
+        out = out * alpha
+    if beta == 0:
+        return out
+    bias = _plain(bias, out.dtype)
+    return out + (bias if beta == 1 else bias * beta)
+
+
+@implements_torch_function(F.linear)
+def _tf_linear(args, kwargs):
+    x = args[0] if args else kwargs["input"]
+    w = args[1] if len(args) > 1 else kwargs["weight"]
+    b = args[2] if len(args) > 2 else kwargs.get("bias")
+    return linear(x, w, b)
+
+
+@implements_torch_function(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                           torch.mm, torch.Tensor.mm)
+def _tf_matmul(args, kwargs):
+    a = args[0] if args else kwargs["input"]
+    b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
+    if kwargs.get("out") is not None:
+        return NotImplemented
+    return _matmul(a, b)
+
+
+@implements_torch_function(torch.Tensor.__rmatmul__)
+def _tf_rmatmul(args, kwargs):
+    return _matmul(args[1], args[0])
+
+
+@implements_torch_function(torch.addmm, torch.Tensor.addmm)
+def _tf_addmm(args, kwargs):
+    if kwargs.get("out") is not None:
+        return NotImplemented
+    bias = args[0] if args else kwargs["input"]
+    a = args[1] if len(args) > 1 else kwargs["mat1"]
+    b = args[2] if len(args) > 2 else kwargs["mat2"]
+    return _addmm(bias, a, b, kwargs.get("beta", 1), kwargs.get("alpha", 1))
+
+
+@implements(aten.linear.default)
+def _aten_linear(func, args, kwargs):
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else kwargs.get("bias")
+    return linear(x, w, b)
+
+
+@implements(aten.mm.default, aten.matmul.default)
+def _aten_mm(func, args, kwargs):
+    return _matmul(args[0], args[1])
+
+
+@implements(aten.addmm.default)
+def _aten_addmm(func, args, kwargs):
+    return _addmm(args[0], args[1], args[2], kwargs.get("beta", 1), kwargs.get("alpha", 1))
+
+
+@implements(aten.bmm.default)
+def _aten_bmm(func, args, kwargs):
+    # a 2-D weight never reaches bmm in a linear; batched products just use the dequantized data
+    log_once(("bmm", "dequantize"), logging.DEBUG, "QuantizedTensor: bmm runs on dequantized data")
+    return dequantize_fallback(func, args, kwargs, quiet=True)

@@ -1,0 +1,280 @@
+"""FP8 storage layouts: how a 2-D weight is cut into scale groups, and the math for each.
+
+Convention everywhere: dequantization MULTIPLIES, ``w ~= qdata.float() * expand(scale)``.
+Scales are float32 and strictly positive. Pure torch; never imports ComfyUI.
+
+Layouts (frozen dataclasses, so they can be shared, hashed and pickled safely):
+
+- ``PerTensor()``     scale shape ``[]``                                   (any rank of weight)
+- ``PerRow()``        scale shape ``[out, 1]`` (one per output channel)    (2-D weights)
+- ``Block(r, c)``     scale shape ``[ceil(out / r), ceil(in / c)]``        (2-D weights)
+  ``Block(128, 128)`` is the DeepSeek-style 2-D block; ``Block(1, 64)`` the musubi-tuner 1xB block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "QuantizationError",
+    "FP8_DTYPES",
+    "fp8_max",
+    "PerTensor",
+    "PerRow",
+    "Block",
+    "Layout",
+    "fp8_to",
+]
+
+
+class QuantizationError(ValueError):
+    """Bad input to the quantization library (wrong dtype, bad scale, shape mismatch, ...)."""
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Mantissa bits and smallest normal exponent, for stochastic rounding onto the FP8 grid.
+_GRID = {
+    torch.float8_e4m3fn: (3, -6),
+    torch.float8_e5m2: (2, -14),
+}
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    return float(torch.finfo(fp8_dtype).max)
+
+
+def check_fp8_dtype(dtype, what: str = "fp8_dtype") -> torch.dtype:
+    if dtype not in FP8_DTYPES:
+        raise QuantizationError(
+            f"{what} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
+        )
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 -> float conversion
+# ---------------------------------------------------------------------------------------------
+
+# On the CPU, torch converts FP8 element by element in scalar code. A 65536-entry table that maps
+# each PAIR of FP8 bytes straight to two 16-bit results (scale already applied) turns the whole
+# dequantization into one gather, with the same rounding as "convert, then multiply in float32".
+_PAIR_LUT_MIN_NUMEL = 1 << 16
+_pair_index = None
+
+
+def _pair_keys() -> torch.Tensor:
+    global _pair_index
+    if _pair_index is None:
+        k = torch.arange(65536, dtype=torch.int32)
+        _pair_index = (k & 0xFF, k >> 8)
+    return _pair_index
+
+
+def _all_codes(fp8_dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype)
+
+
+def _cpu_pair_lut(q: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    values = _all_codes(q.dtype).to(torch.float32)
+    if scale is not None:
+        values = values * scale.to(torch.float32)
+    bits = values.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+    lo, hi = _pair_keys()
+    table = bits[lo] | (bits[hi] << 16)  # little endian: first byte -> low half
+    idx = q.reshape(-1).view(torch.int16).view(torch.uint16).to(torch.int32)
+    return table.index_select(0, idx).view(dtype).view(q.shape)
+
+
+def fp8_to(q: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 ``q`` -> a new ``dtype`` tensor, times an optional scalar float32 ``scale``.
+
+    The product is formed in float32 and rounded once into ``dtype`` (the same bits as
+    ``q.to(dtype).mul_(scale)`` on the CPU, which is what ComfyUI 0.3.75 does).
+    """
+    if scale is not None and scale.numel() != 1:
+        raise QuantizationError(f"fp8_to takes a scalar scale, got shape {list(scale.shape)}")
+    if (
+        q.device.type == "cpu"
+        and dtype in (torch.bfloat16, torch.float16)
+        and q.numel() >= _PAIR_LUT_MIN_NUMEL
+        and q.numel() % 2 == 0
+        and q.is_contiguous()
+    ):
+        return _cpu_pair_lut(q, dtype, None if scale is None else scale.reshape(()))
+    out = q.to(dtype)
+    if scale is not None:
+        out.mul_(scale.reshape(()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Rounding onto the FP8 grid
+# ---------------------------------------------------------------------------------------------
+
+
+def _to_fp8(v: torch.Tensor, fp8_dtype: torch.dtype, generator) -> torch.Tensor:
+    """float32 values already divided by their scale -> FP8 (saturating), RTN or stochastic."""
+    fmax = fp8_max(fp8_dtype)
+    v = v.clamp(-fmax, fmax)
+    if generator is None:
+        return v.to(fp8_dtype)
+    mbits, emin = _GRID[fp8_dtype]
+    a = v.abs()
+    _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1)
+    step = torch.ldexp(torch.ones_like(a), (e - 1).clamp_min(emin) - mbits)
+    noise = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+    # floor(a/step + U) is a/step rounded up with probability frac(a/step): unbiased.
+    a = torch.floor(a.div_(step).add_(noise)).mul_(step).clamp_max_(fmax)
+    return a.copysign_(v).to(fp8_dtype)
+
+
+def _safe_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """amax -> a positive, finite float32 scale (all-zero groups get scale 1)."""
+    scale = amax.to(torch.float32) / fmax
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.where(scale > 0, scale.clamp_min(tiny), torch.ones_like(scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+# ---------------------------------------------------------------------------------------------
+
+
+def _need_2d(shape, name: str) -> None:
+    if len(shape) != 2:
+        raise QuantizationError(f"layout {name} needs a 2-D weight [out, in], got shape {list(shape)}")
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    """One float32 scale for the whole tensor."""
+
+    name = "per_tensor"
+
+    def scale_shape(self, shape) -> tuple:
+        return ()
+
+    def normalize_scale(self, scale: torch.Tensor, shape) -> torch.Tensor:
+        if scale.numel() != 1:
+            raise QuantizationError(
+                f"per-tensor scale must hold exactly one value, got shape {list(scale.shape)}"
+            )
+        return scale.reshape(())
+
+    def quantize(self, w: torch.Tensor, fp8_dtype, generator):
+        fmax = fp8_max(fp8_dtype)
+        scale = _safe_scale(w.abs().amax(), fmax)
+        return _to_fp8(w.to(torch.float32) / scale, fp8_dtype, generator), scale
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return fp8_to(q, dtype, scale)
+
+
+@dataclass(frozen=True)
+class PerRow:
+    """One float32 scale per output channel (row of the [out, in] weight)."""
+
+    name = "per_row"
+
+    def scale_shape(self, shape) -> tuple:
+        _need_2d(shape, "PerRow")
+        return (shape[0], 1)
+
+    def normalize_scale(self, scale: torch.Tensor, shape) -> torch.Tensor:
+        _need_2d(shape, "PerRow")
+        if tuple(scale.shape) not in ((shape[0],), (shape[0], 1)):
+            raise QuantizationError(
+                f"per-row scale for a weight of shape {list(shape)} must have shape "
+                f"[{shape[0]}, 1], got {list(scale.shape)}"
+            )
+        return scale.reshape(shape[0], 1)
+
+    def quantize(self, w: torch.Tensor, fp8_dtype, generator):
+        _need_2d(w.shape, "PerRow")
+        fmax = fp8_max(fp8_dtype)
+        scale = _safe_scale(w.abs().amax(dim=1, keepdim=True), fmax)
+        return _to_fp8(w.to(torch.float32) / scale, fp8_dtype, generator), scale
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return _mul_scale(fp8_to(q, dtype), scale, dtype)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One float32 scale per ``rows x cols`` block of the [out, in] weight (edges may be partial)."""
+
+    rows: int
+    cols: int
+
+    name = "block"
+
+    def __post_init__(self):
+        for v, what in ((self.rows, "rows"), (self.cols, "cols")):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise QuantizationError(f"Block {what} must be a positive int, got {v!r}")
+
+    def scale_shape(self, shape) -> tuple:
+        _need_2d(shape, f"Block({self.rows}, {self.cols})")
+        return (math.ceil(shape[0] / self.rows), math.ceil(shape[1] / self.cols))
+
+    def normalize_scale(self, scale: torch.Tensor, shape) -> torch.Tensor:
+        want = self.scale_shape(shape)
+        got = tuple(scale.shape)
+        # musubi-tuner stores 1xB block scales as [out, n_blocks, 1]
+        if len(got) == 3 and got[2] == 1:
+            got = got[:2]
+        if got != want:
+            raise QuantizationError(
+                f"Block({self.rows}, {self.cols}) scale for a weight of shape {list(shape)} must "
+                f"have shape {list(want)}, got {list(scale.shape)}"
+            )
+        return scale.reshape(want)
+
+    def _blocks(self, w: torch.Tensor) -> torch.Tensor:
+        out, inp = w.shape
+        nr, nc = self.scale_shape(w.shape)
+        pad_r, pad_c = nr * self.rows - out, nc * self.cols - inp
+        if pad_r or pad_c:
+            w = torch.nn.functional.pad(w, (0, pad_c, 0, pad_r))
+        return w.reshape(nr, self.rows, nc, self.cols)
+
+    def quantize(self, w: torch.Tensor, fp8_dtype, generator):
+        _need_2d(w.shape, f"Block({self.rows}, {self.cols})")
+        fmax = fp8_max(fp8_dtype)
+        out, inp = w.shape
+        blocks = self._blocks(w.to(torch.float32))
+        scale = _safe_scale(blocks.abs().amax(dim=(1, 3)), fmax)
+        scaled = (blocks / scale[:, None, :, None]).reshape(blocks.shape[0] * self.rows, -1)
+        scaled = scaled[:out, :inp].contiguous()
+        return _to_fp8(scaled, fp8_dtype, generator), scale
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out, inp = q.shape
+        w = fp8_to(q, dtype)
+        if out % self.rows == 0 and inp % self.cols == 0:
+            view = w.view(out // self.rows, self.rows, inp // self.cols, self.cols)
+            _mul_scale(view, scale[:, None, :, None], dtype)
+            return w
+        full = scale.repeat_interleave(self.rows, 0)[:out].repeat_interleave(self.cols, 1)[:, :inp]
+        return _mul_scale(w, full, dtype)
+
+
+Layout = PerTensor | PerRow | Block
+
+
+def _mul_scale(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """In place ``w *= scale`` (broadcast), w already in ``dtype``.
+
+    bfloat16 has float32's exponent range, so rounding the scale to bfloat16 first costs at most
+    one extra bf16 rounding per element and avoids torch's slow mixed-dtype kernel (2x). Half
+    precision would lose small scales, so it multiplies in float32.
+    """
+    if dtype == torch.bfloat16:
+        return w.mul_(scale.to(torch.bfloat16))
+    if dtype == torch.float16:
+        return w.copy_(w.to(torch.float32).mul_(scale))
+    return w.mul_(scale.to(dtype))

@@ -1,0 +1,350 @@
+"""QuantizedTensor: an FP8 weight that looks like its original (logical) tensor.
+
+A ``torch.Tensor`` wrapper subclass. It reports the logical dtype (``orig_dtype``) and shape and
+holds, declared once in ``_TENSOR_FIELDS`` / ``_META_FIELDS``:
+
+    qdata        FP8 data (float8_e4m3fn or float8_e5m2) in the canonical [out, in] orientation
+    scale        float32, shape given by the layout (dequantize multiplies by it)
+    input_scale  float32 [] or None (static activation scale for the fp8 x fp8 path)
+    layout       PerTensor() | PerRow() | Block(r, c)
+    orig_dtype   logical dtype
+    config       ComputeConfig or None (per weight, i.e. per model; never on the class)
+    transposed   True after .t(): the logical tensor is qdata's transpose (no data moved)
+
+Operations arrive in three steps (see ``dispatch.py``): torch-function handlers catch whole ops
+(``F.linear``, ``matmul``, ...), aten handlers cover generic ops (detach, clone, device moves,
+copy_, views, transposes) and matmul-like ops, and everything else runs on the dequantized
+tensor with one log line per op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .config import ComputeConfig
+from .layouts import (
+    Block,
+    PerRow,
+    PerTensor,
+    QuantizationError,
+    check_fp8_dtype,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["QuantizedTensor", "log_once", "reset_log_once"]
+
+_TENSOR_FIELDS = ("qdata", "scale", "input_scale")  # input_scale may be None
+_META_FIELDS = ("layout", "orig_dtype", "config", "transposed")
+_LAYOUT_TYPES = (PerTensor, PerRow, Block)
+_ORIG_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+# Filled by dispatch.py: aten overload -> handler(func, args, kwargs); callable -> handler(args, kwargs)
+ATEN_OPS: dict = {}
+TORCH_FUNCTIONS: dict = {}
+
+_logged: set = set()
+_log_lock = threading.Lock()
+
+
+def log_once(key, level: int, msg: str, *args) -> None:
+    """Log ``msg`` the first time ``key`` is seen in this process."""
+    with _log_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    logger.log(level, msg, *args)
+
+
+def reset_log_once() -> None:
+    """Forget which messages were logged (tests use it to observe the once-only log)."""
+    with _log_lock:
+        _logged.clear()
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class QuantizedTensor(torch.Tensor):
+    """FP8 data + layout scales, reporting the logical dtype and shape. See module docstring.
+
+    Build with :meth:`from_float` (quantize) or :meth:`from_parts` (validated existing data);
+    the constructor itself does not validate and is for internal use.
+    """
+
+    @staticmethod
+    def __new__(cls, qdata, scale, layout, orig_dtype, input_scale=None, config=None,
+                transposed=False):
+        shape = tuple(qdata.shape)
+        if transposed:
+            shape = shape[::-1]
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=_contiguous_strides(shape), dtype=orig_dtype,
+            device=qdata.device, requires_grad=False,
+        )
+
+    def __init__(self, qdata, scale, layout, orig_dtype, input_scale=None, config=None,
+                 transposed=False):
+        self.qdata = qdata
+        self.scale = scale
+        self.input_scale = input_scale
+        self._qlayout = layout
+        self.orig_dtype = orig_dtype
+        self.config = config
+        self.transposed = bool(transposed)
+
+    # ``layout`` is the quantization layout; torch's own tensor layout of this wrapper is strided.
+    @property
+    def layout(self):
+        return self._qlayout
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.qdata.dtype
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, layout, fp8_dtype=torch.float8_e4m3fn,
+                   stochastic_rounding=None, input_scale=None, config=None) -> "QuantizedTensor":
+        """Quantize a float tensor (amax-based scales; round to nearest, or stochastic rounding
+        with the int seed ``stochastic_rounding``)."""
+        if isinstance(w, QuantizedTensor):
+            w = w.dequantize()
+        if not isinstance(w, torch.Tensor) or w.dtype not in _ORIG_DTYPES:
+            raise QuantizationError(
+                f"from_float needs a float32/float16/bfloat16/float64 tensor, got "
+                f"{getattr(w, 'dtype', type(w).__name__)}"
+            )
+        _check_layout(layout)
+        check_fp8_dtype(fp8_dtype)
+        if w.dim() == 0:
+            raise QuantizationError("from_float needs at least a 1-D tensor, got a scalar")
+        if not bool(torch.isfinite(w).all()):
+            raise QuantizationError(
+                f"from_float: the tensor of shape {list(w.shape)} holds inf or nan values; "
+                f"they cannot be quantized"
+            )
+        generator = None
+        if stochastic_rounding is not None:
+            if isinstance(stochastic_rounding, bool) or not isinstance(stochastic_rounding, int):
+                raise QuantizationError(
+                    f"stochastic_rounding must be an int seed or None, got {stochastic_rounding!r}"
+                )
+            generator = torch.Generator(device=w.device)
+            generator.manual_seed(stochastic_rounding)
+        with torch.no_grad():
+            qdata, scale = layout.quantize(w.detach(), fp8_dtype, generator)
+        return cls.from_parts(qdata, scale, layout, orig_dtype=w.dtype, input_scale=input_scale,
+                              config=config)
+
+    @classmethod
+    def from_parts(cls, qdata, scale, layout, orig_dtype=torch.bfloat16, input_scale=None,
+                   config=None) -> "QuantizedTensor":
+        """Wrap existing FP8 data and scales after checking them (QuantizationError on bad input)."""
+        _check_layout(layout)
+        if not isinstance(qdata, torch.Tensor) or isinstance(qdata, QuantizedTensor):
+            raise QuantizationError(f"qdata must be a plain torch.Tensor, got {type(qdata).__name__}")
+        check_fp8_dtype(qdata.dtype, "qdata.dtype")
+        if qdata.dim() == 0:
+            raise QuantizationError("qdata must have at least one dimension, got a scalar")
+        if orig_dtype not in _ORIG_DTYPES:
+            raise QuantizationError(
+                f"orig_dtype must be one of {_ORIG_DTYPES}, got {orig_dtype}"
+            )
+        scale = _check_scale(scale, "scale")
+        scale = layout.normalize_scale(scale, tuple(qdata.shape)).to(qdata.device)
+        if input_scale is not None:
+            input_scale = _check_scale(input_scale, "input_scale")
+            if input_scale.numel() != 1:
+                raise QuantizationError(
+                    f"input_scale must hold one value, got shape {list(input_scale.shape)}"
+                )
+            input_scale = input_scale.reshape(()).to(qdata.device)
+        if config is not None and not isinstance(config, ComputeConfig):
+            raise QuantizationError(f"config must be a ComputeConfig or None, got {config!r}")
+        return cls(qdata, scale, layout, orig_dtype, input_scale, config)
+
+    # -- the fields, declared once ---------------------------------------------------------------
+
+    def _fields(self) -> dict:
+        return {
+            "qdata": self.qdata, "scale": self.scale, "input_scale": self.input_scale,
+            "layout": self._qlayout, "orig_dtype": self.orig_dtype, "config": self.config,
+            "transposed": self.transposed,
+        }
+
+    def _replace(self, **changes) -> "QuantizedTensor":
+        f = self._fields()
+        f.update(changes)
+        return QuantizedTensor(f["qdata"], f["scale"], f["layout"], f["orig_dtype"],
+                               f["input_scale"], f["config"], f["transposed"])
+
+    def _map_tensors(self, fn) -> "QuantizedTensor":
+        """New QuantizedTensor with ``fn`` applied to every inner tensor (clone, detach, moves)."""
+        changes = {}
+        for name in _TENSOR_FIELDS:
+            t = getattr(self, name)
+            changes[name] = None if t is None else fn(t)
+        return self._replace(**changes)
+
+    def __tensor_flatten__(self):
+        names = [n for n in _TENSOR_FIELDS if getattr(self, n) is not None]
+        return names, tuple(getattr(self, "_qlayout" if n == "layout" else n) for n in _META_FIELDS)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        layout, orig_dtype, config, transposed = ctx
+        return QuantizedTensor(inner_tensors["qdata"], inner_tensors["scale"], layout, orig_dtype,
+                               inner_tensors.get("input_scale"), config, transposed)
+
+    def __reduce_ex__(self, protocol):
+        f = self._fields()
+        return (_rebuild_quantized_tensor, tuple(f[n] for n in _TENSOR_FIELDS + _META_FIELDS))
+
+    def __deepcopy__(self, memo):
+        out = self._map_tensors(lambda t: t.clone())
+        memo[id(self)] = out
+        return out
+
+    # -- public helpers -----------------------------------------------------------------------------
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Plain tensor ``qdata * expand(scale)`` in ``dtype`` (orig_dtype by default)."""
+        dtype = self.orig_dtype if dtype is None else dtype
+        if not dtype.is_floating_point or dtype.itemsize < 2:
+            raise QuantizationError(f"dequantize needs a float dtype of 16 bits or more, got {dtype}")
+        with torch.no_grad():
+            w = self._qlayout.dequantize(self.qdata, self.scale, dtype)
+        return w.t() if self.transposed else w
+
+    def with_config(self, config: ComputeConfig | None) -> "QuantizedTensor":
+        """Same storage, another compute config."""
+        if config is not None and not isinstance(config, ComputeConfig):
+            raise QuantizationError(f"config must be a ComputeConfig or None, got {config!r}")
+        return self._replace(config=config)
+
+    def canonical(self) -> "QuantizedTensor":
+        """The un-transposed [out, in] view of this weight (shares storage)."""
+        return self._replace(transposed=False) if self.transposed else self
+
+    def requantize_(self, w: torch.Tensor, stochastic_rounding=None) -> "QuantizedTensor":
+        """Overwrite this tensor's data in place from the logical float tensor ``w`` (fresh scales,
+        same layout and FP8 dtype)."""
+        if tuple(w.shape) != tuple(self.shape):
+            raise QuantizationError(
+                f"cannot write a tensor of shape {list(w.shape)} into a QuantizedTensor of shape "
+                f"{list(self.shape)}"
+            )
+        if self.transposed:
+            w = w.t()
+        fresh = QuantizedTensor.from_float(w.to(self.qdata.device), self._qlayout, self.fp8_dtype,
+                                           stochastic_rounding)
+        with torch.no_grad():
+            self.qdata.copy_(fresh.qdata)
+            self.scale.copy_(fresh.scale)
+        return self
+
+    def __repr__(self, *, tensor_contents=None):
+        extra = ", transposed" if self.transposed else ""
+        return (f"QuantizedTensor(shape={list(self.shape)}, dtype={self.orig_dtype}, "
+                f"fp8={self.fp8_dtype}, layout={self._qlayout}, device={self.device}{extra})")
+
+    # -- dispatch -------------------------------------------------------------------------------------
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = TORCH_FUNCTIONS.get(func)
+        if handler is not None:
+            out = handler(args, kwargs)
+            if out is not NotImplemented:
+                return out
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = ATEN_OPS.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        return dequantize_fallback(func, args, kwargs)
+
+
+def _rebuild_quantized_tensor(qdata, scale, input_scale, layout, orig_dtype, config, transposed):
+    return QuantizedTensor(qdata, scale, layout, orig_dtype, input_scale, config, transposed)
+
+
+def _check_layout(layout) -> None:
+    if not isinstance(layout, _LAYOUT_TYPES):
+        raise QuantizationError(
+            f"layout must be PerTensor(), PerRow() or Block(rows, cols), got {layout!r}"
+        )
+
+
+def _check_scale(scale, what: str) -> torch.Tensor:
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        scale = torch.tensor(float(scale), dtype=torch.float32)
+    if not isinstance(scale, torch.Tensor) or isinstance(scale, QuantizedTensor):
+        raise QuantizationError(f"{what} must be a float tensor, got {type(scale).__name__}")
+    if not scale.dtype.is_floating_point or scale.dtype in (torch.float8_e4m3fn,
+                                                             torch.float8_e5m2):
+        raise QuantizationError(
+            f"{what} must be float32 (or another float dtype of 16+ bits), got {scale.dtype}"
+        )
+    scale = scale.detach().to(torch.float32)
+    if scale.numel() == 0:
+        raise QuantizationError(f"{what} is empty")
+    if not bool(torch.isfinite(scale).all()):
+        raise QuantizationError(f"{what} holds inf or nan values; scales must be finite")
+    if not bool((scale > 0).all()):
+        raise QuantizationError(
+            f"{what} holds zero or negative values (min {scale.min().item():g}); "
+            f"scales must be > 0"
+        )
+    return scale
+
+
+def _mutated_positions(func):
+    """(positional index or kwarg name) of each argument the op writes to."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.append((i, arg.name))
+    return out
+
+
+def dequantize_fallback(func, args, kwargs, quiet: bool = False):
+    """Run ``func`` on dequantized copies of every QuantizedTensor argument.
+
+    In-place ops write their result back into the QuantizedTensor (requantized with fresh scales),
+    so the fallback keeps the op's meaning. Logged once per op unless ``quiet``.
+    """
+    if not quiet:
+        log_once(("fallback", str(func)), logging.WARNING,
+                 "QuantizedTensor has no quantized kernel for %s; running it on the dequantized "
+                 "tensor instead (slower; logged once per op)", func)
+
+    def deq(a):
+        return a.dequantize() if isinstance(a, QuantizedTensor) else a
+
+    dargs, dkwargs = tree_map(deq, args), tree_map(deq, kwargs)
+    out = func(*dargs, **dkwargs)
+    if func._schema.is_mutable:
+        for pos, name in _mutated_positions(func):
+            original = args[pos] if pos < len(args) else kwargs.get(name)
+            if isinstance(original, QuantizedTensor):
+                written = dargs[pos] if pos < len(dargs) else dkwargs.get(name)
+                original.requantize_(written)
+                out = original
+    return out
