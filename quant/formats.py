@@ -463,7 +463,7 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
         extra: list[str] = []
         hint = block_hint
         if has_cq:
-            source = COMFY_PER_LAYER
+            source = COMFY_METADATA if in_meta else COMFY_PER_LAYER  # files may carry both forms
             raw = rd.get(cq_key)
             expected = 'uint8 bytes of a JSON object like {"format": "float8_e4m3fn"}'
             if raw.dtype != torch.uint8 or raw.dim() != 1:
@@ -485,16 +485,18 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
             if ".weight_scale" not in present:
                 raise _err(path, name + ".weight_scale", "missing scale for a quantized weight (comfy_quant present)",
                            f"a tensor '{name}.weight_scale'")
-        elif in_meta:
+        if in_meta:
             source = COMFY_METADATA
             fmt = meta_layers[name]["format"]
             if FP8_BY_NAME[fmt] != e.dtype:
                 raise _err(path, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}",
                            f"metadata says {fmt} but the weight is {_fp8_name(e.dtype)}", "matching dtypes")
-            full_precision_mm = bool(meta_layers[name].get("full_precision_matrix_mult", False))
+            full_precision_mm = full_precision_mm or bool(meta_layers[name].get("full_precision_matrix_mult", False))
             if ".weight_scale" not in present:
                 raise _err(path, name + ".weight_scale", "missing scale for a quantized weight listed in "
                            "_quantization_metadata", f"a tensor '{name}.weight_scale'")
+        elif has_cq:
+            pass
         elif ".scale_weight" in present:
             prefix = marker_for(name)
             source = COMFY_SCALED if prefix is not None else MUSUBI
@@ -614,7 +616,8 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
     `config` (a ComputeConfig or None) is attached to every quantized weight. `progress(done, total)` is
     called per tensor; it may raise to cancel. `keys`, when given, limits the tensors returned.
     """
-    from . import QuantizationError, QuantizedTensor
+    from .layouts import QuantizationError
+    from .tensor import QuantizedTensor
 
     path = os.fspath(path)
     hdr = read_header(path)
@@ -644,7 +647,7 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
 
 
 def make_layout(info: LayerInfo):
-    from . import Block, PerRow, PerTensor
+    from .layouts import Block, PerRow, PerTensor
 
     if info.granularity == "tensor":
         return PerTensor()

@@ -1,0 +1,221 @@
+"""Quantize a model's linear weights to FP8 (state dict or module), with a per-layer SQNR report.
+
+- `quantize_state_dict(sd, ...)`: every 2-D floating `.weight` not matched by a keep pattern becomes a
+  `QuantizedTensor`; everything else passes through unchanged.
+- `quantize_module(module, ...)`: the same over `torch.nn.Linear` modules (ComfyUI's op classes are
+  subclasses), returning the new weights by parameter name instead of changing the module, so a
+  caller can apply them as patches (ComfyUI models are shared between graph nodes).
+
+Keep patterns are shell-style globs (`fnmatch`) matched against the layer name (the key without
+`.weight`). `DEFAULT_KEEP` keeps what is usually sensitive: embeddings and input projections (first
+layers), final / output layers (last layers), norms and modulation heads of the output.
+SQNR per layer: 20*log10(||w|| / ||w - dequant(q(w))||) in float64.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KEEP: tuple[str, ...] = (
+    "*embed*",  # token/position/patch/time embeddings and embedders (first layers)
+    "*norm*",
+    "*final_layer*",  # last layer of DiTs (SD3, Flux, ...)
+    "*proj_out*",
+    "*lm_head*",
+    "*head",
+    "*conv_in*",
+    "*conv_out*",
+    "*img_in*",
+    "*txt_in*",
+    "*time_in*",
+    "*vector_in*",
+    "*guidance_in*",
+    "*patch_embedding*",
+    "*text_projection*",
+)
+
+GRANULARITIES = ("tensor", "row", "block")
+FP8_NAMES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
+             "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+ProgressFn = Callable[[int, int], None]
+
+
+def fp8_dtype_from_name(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return FP8_NAMES[str(name)]
+    except KeyError:
+        raise ValueError(f"unknown fp8 dtype {name!r}; expected one of {sorted(FP8_NAMES)}") from None
+
+
+def make_layout(granularity: str, block: tuple[int, int] = (128, 128)):
+    from .layouts import Block, PerRow, PerTensor
+
+    if granularity == "tensor":
+        return PerTensor()
+    if granularity == "row":
+        return PerRow()
+    if granularity == "block":
+        return Block(int(block[0]), int(block[1]))
+    raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
+
+
+def keep_reason(name: str, keep: Iterable[str]) -> str | None:
+    for pat in keep:
+        if fnmatch.fnmatchcase(name, pat) or fnmatch.fnmatchcase(name + ".weight", pat):
+            return pat
+    return None
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    ref = ref.double()
+    err = (ref - approx.double()).norm()
+    if float(err) == 0.0:
+        return math.inf
+    return float(20 * torch.log10(ref.norm() / err))
+
+
+@dataclass
+class LayerQuality:
+    name: str
+    shape: tuple[int, ...]
+    quantized: bool
+    sqnr_db: float | None = None
+    reason: str = ""  # why kept
+
+
+@dataclass
+class QuantizeReport:
+    granularity: str
+    fp8_dtype: str
+    layers: list[LayerQuality] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> list[LayerQuality]:
+        return [l for l in self.layers if l.quantized]
+
+    def summary(self) -> dict:
+        q = [l.sqnr_db for l in self.quantized if l.sqnr_db is not None and math.isfinite(l.sqnr_db)]
+        return {
+            "granularity": self.granularity,
+            "fp8_dtype": self.fp8_dtype,
+            "layers_quantized": len(self.quantized),
+            "layers_kept": len(self.layers) - len(self.quantized),
+            "sqnr_db_min": round(min(q), 2) if q else None,
+            "sqnr_db_mean": round(sum(q) / len(q), 2) if q else None,
+        }
+
+    def text(self) -> str:
+        s = self.summary()
+        lines = [
+            f"FP8 {s['fp8_dtype']}, granularity {s['granularity']}: {s['layers_quantized']} layers quantized, "
+            f"{s['layers_kept']} kept; SQNR min {s['sqnr_db_min']} dB, mean {s['sqnr_db_mean']} dB",
+            f"{'layer':<60} {'shape':>14} {'SQNR dB':>9}",
+        ]
+        for l in self.layers:
+            shape = "x".join(str(d) for d in l.shape)
+            val = f"{l.sqnr_db:9.2f}" if l.quantized and l.sqnr_db is not None else f"kept ({l.reason})"
+            lines.append(f"{l.name:<60} {shape:>14} {val:>9}")
+        return "\n".join(lines)
+
+
+def quantize_weight(w: torch.Tensor, layout, fp8_dtype, *, orig_dtype=None, stochastic_rounding=None, config=None):
+    """One weight -> (QuantizedTensor, SQNR dB against the float64 original)."""
+    from .tensor import QuantizedTensor
+
+    qt = QuantizedTensor.from_float(w, layout, fp8_dtype=fp8_dtype, stochastic_rounding=stochastic_rounding)
+    if orig_dtype is not None and qt.orig_dtype != orig_dtype:
+        qt = QuantizedTensor.from_parts(qt.qdata, qt.scale, qt.layout, orig_dtype=orig_dtype)
+    if config is not None:
+        qt = qt.with_config(config)
+    return qt, sqnr_db(w, qt.dequantize(torch.float32))
+
+
+def is_linear_weight(key: str, t) -> bool:
+    return (key.endswith(".weight") and isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_floating_point()
+            and not isinstance(getattr(t, "qdata", None), torch.Tensor) and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2))
+
+
+def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tensor", fp8_dtype="e4m3fn",
+                        keep: Iterable[str] = DEFAULT_KEEP, block: tuple[int, int] = (128, 128),
+                        stochastic_rounding: int | None = None, progress: ProgressFn | None = None,
+                        config=None) -> tuple[dict[str, torch.Tensor], QuantizeReport]:
+    """Return a new state dict with FP8 QuantizedTensor linear weights, and the per-layer report."""
+    fp8 = fp8_dtype_from_name(fp8_dtype)
+    layout = make_layout(granularity, block)
+    keep = tuple(keep)
+    report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
+                            str(fp8).removeprefix("torch."))
+    out: dict[str, torch.Tensor] = {}
+    keys = list(sd)
+    for i, key in enumerate(keys):
+        t = sd[key]
+        if is_linear_weight(key, t):
+            name = key[: -len(".weight")]
+            why = keep_reason(name, keep)
+            if why is None:
+                qt, q = quantize_weight(t, layout, fp8, orig_dtype=t.dtype, stochastic_rounding=stochastic_rounding,
+                                        config=config)
+                out[key] = qt
+                report.layers.append(LayerQuality(name, tuple(t.shape), True, q))
+            else:
+                out[key] = t
+                report.layers.append(LayerQuality(name, tuple(t.shape), False, None, why))
+        else:
+            out[key] = t
+        if progress is not None:
+            progress(i + 1, len(keys))
+    return out, report
+
+
+def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8_dtype="e4m3fn",
+                    keep: Iterable[str] = DEFAULT_KEEP, block: tuple[int, int] = (128, 128),
+                    stochastic_rounding: int | None = None, progress: ProgressFn | None = None,
+                    config=None, prefix: str = "") -> tuple[dict[str, torch.Tensor], QuantizeReport]:
+    """Quantize the weights of every `torch.nn.Linear` in `module` (the module is not changed).
+
+    Returns ({"<prefix><module path>.weight": QuantizedTensor}, report). Keep patterns match the module
+    path without `prefix`.
+    """
+    fp8 = fp8_dtype_from_name(fp8_dtype)
+    layout = make_layout(granularity, block)
+    keep = tuple(keep)
+    report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
+                            str(fp8).removeprefix("torch."))
+    linears = [(n, m) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) or _looks_linear(m)]
+    new: dict[str, torch.Tensor] = {}
+    for i, (name, m) in enumerate(linears):
+        w = getattr(m, "weight", None)
+        if not isinstance(w, torch.Tensor) or not is_linear_weight(name + ".weight", w):
+            continue
+        why = keep_reason(name, keep)
+        if why is None:
+            with torch.no_grad():
+                qt, q = quantize_weight(w.detach(), layout, fp8, orig_dtype=w.dtype,
+                                        stochastic_rounding=stochastic_rounding, config=config)
+            new[prefix + name + ".weight"] = qt
+            report.layers.append(LayerQuality(name, tuple(w.shape), True, q))
+        else:
+            report.layers.append(LayerQuality(name, tuple(w.shape), False, None, why))
+        if progress is not None:
+            progress(i + 1, len(linears))
+    return new, report
+
+
+def _looks_linear(m: torch.nn.Module) -> bool:
+    # ComfyUI's mixed-precision Linear derives from Module, not nn.Linear.
+    return type(m).__name__ == "Linear" and hasattr(m, "in_features") and hasattr(m, "out_features")
+
+
+__all__ = ["DEFAULT_KEEP", "GRANULARITIES", "LayerQuality", "QuantizeReport", "quantize_state_dict", "quantize_module",
+           "quantize_weight", "sqnr_db", "keep_reason", "make_layout", "fp8_dtype_from_name", "is_linear_weight"]
