@@ -1,0 +1,224 @@
+"""Shard memory for LocalEngramBuffer: one flat byte buffer per rank, mapped by every rank.
+
+* CPU (gloo): every rank creates a POSIX shared-memory file under /dev/shm, the names travel through
+  the group, and every rank maps all files back to back into ONE reserved virtual address range, so a
+  fetch can gather every requested row with a single `index_select` over all shards (`unified`). Each
+  creator unlinks its file as soon as every rank has mapped it: from then on nothing is left behind,
+  whichever process dies. One-rank groups use plain memory.
+* CUDA (NCCL): torch symmetric memory (`torch.distributed._symmetric_memory`), every peer's buffer
+  mapped through its handle. Several ranks on one GPU need TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1.
+
+An allocator is `(group, num_bytes, device) -> ShardMemory`. Collectives are issued on the process
+group object itself (`group.allgather(...)`), so a group made without `init_process_group` works too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import pickle
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+PAGE_SIZE = mmap.PAGESIZE
+_SHM_DIR = "/dev/shm"
+SHM_PREFIX = "fp8engram-"
+_COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+@dataclass
+class ShardMemory:
+    """Every rank's shard buffer as seen from this rank.
+
+    `peers[r]` is rank r's flat uint8 buffer (`peers[rank] is local` memory); when all shards sit in one
+    virtual range, `unified` is a uint8 tensor of `num_ranks * stride` bytes with `peers[r]` at
+    `r * stride`. `keepalive` holds whatever must live as long as the views.
+    """
+
+    local: torch.Tensor
+    peers: list[torch.Tensor]
+    unified: torch.Tensor | None = None
+    stride: int = 0
+    keepalive: object = None
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        self.local = self.unified = None  # type: ignore[assignment]
+        self.peers = []
+        self.keepalive = None
+        if release is not None:
+            release()
+
+
+ShardAllocator = Callable[[dist.ProcessGroup, int, torch.device], ShardMemory]
+
+
+# ----- collectives on a bare process group -----
+
+
+def collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    """Where collective tensors live: CUDA for NCCL groups, CPU otherwise."""
+    if device.type == "cuda":
+        try:
+            if group._get_backend(device).name() == "nccl":  # noqa: SLF001 - no public way to ask
+                return device
+        except (RuntimeError, AttributeError):
+            pass
+    return torch.device("cpu")
+
+
+def all_gather_int64(group: dist.ProcessGroup, values: list[int], device: torch.device) -> list[list[int]]:
+    """Gather one equally long int64 vector per rank."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(group.size())]
+    group.allgather([out], [mine]).wait(_COLLECTIVE_TIMEOUT)
+    return [t.tolist() for t in out]
+
+
+def all_gather_object(group: dist.ProcessGroup, obj: object, device: torch.device) -> list[object]:
+    """Gather one picklable object per rank (bytes padded to the longest)."""
+    payload = pickle.dumps(obj)
+    lengths = [n[0] for n in all_gather_int64(group, [len(payload)], device)]
+    size = max(lengths)
+    mine = torch.zeros(size, dtype=torch.uint8, device=device)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(mine) for _ in range(group.size())]
+    group.allgather([out], [mine]).wait(_COLLECTIVE_TIMEOUT)
+    return [pickle.loads(bytes(t[:n].cpu().numpy())) for t, n in zip(out, lengths)]
+
+
+def barrier(group: dist.ProcessGroup, device: torch.device) -> None:
+    """A barrier that works on gloo and NCCL groups (an all-reduce of one element)."""
+    token = torch.zeros(1, dtype=torch.int32, device=device)
+    group.allreduce([token]).wait(_COLLECTIVE_TIMEOUT)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----- CPU: POSIX shared memory mapped into one range -----
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return libc
+
+
+_MAP_SHARED = 0x01
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+
+
+def _map_fixed(libc: ctypes.CDLL, address: int, length: int, fd: int) -> None:
+    got = libc.mmap(address, length, _PROT_RW, _MAP_SHARED | _MAP_FIXED, fd, 0)
+    if got is None or got != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mapping a shard at {address:#x} failed: {os.strerror(err)}")
+
+
+def shared_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.device) -> ShardMemory:
+    """CPU shard buffers in /dev/shm, all mapped back to back into one range on every rank."""
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"the shared-memory allocator serves CPU buffers, not {device}")
+    rank, num_ranks = group.rank(), group.size()
+    if num_ranks == 1:
+        local = torch.zeros(num_bytes, dtype=torch.uint8)
+        return ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes)
+    if not os.path.isdir(_SHM_DIR):
+        raise RuntimeError(f"CPU engram groups need POSIX shared memory ({_SHM_DIR} is missing on this system)")
+    if num_bytes % PAGE_SIZE:
+        raise ValueError(f"shard size {num_bytes} must be a multiple of the page size {PAGE_SIZE}")
+    cpu = torch.device("cpu")
+
+    name = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}-r{rank}"
+    path = os.path.join(_SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    unlinked = False
+    try:
+        os.ftruncate(fd, num_bytes)
+        os.close(fd)
+        fd = -1
+        names = all_gather_object(group, name, cpu)
+        # Reserve one range for all shards, then map each shard file over its slot. The Python mmap object
+        # owns the range: when the last tensor view dies it unmaps everything at once.
+        region = mmap.mmap(-1, num_ranks * num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, prot=_PROT_RW)
+        anchor = ctypes.c_char.from_buffer(region)
+        base = ctypes.addressof(anchor)
+        del anchor
+        libc = _libc()
+        for peer, peer_name in enumerate(names):
+            peer_fd = os.open(os.path.join(_SHM_DIR, peer_name), os.O_RDWR)
+            try:
+                if os.fstat(peer_fd).st_size < num_bytes:
+                    raise RuntimeError(f"shared-memory shard {peer_name} of rank {peer} is smaller than {num_bytes} bytes")
+                _map_fixed(libc, base + peer * num_bytes, num_bytes, peer_fd)
+            finally:
+                os.close(peer_fd)
+        # Every rank has mapped every file: the names are no longer needed.
+        barrier(group, cpu)
+        os.unlink(path)
+        unlinked = True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if not unlinked:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    unified = torch.frombuffer(region, dtype=torch.uint8)
+    peers = [unified[r * num_bytes : (r + 1) * num_bytes] for r in range(num_ranks)]
+    return ShardMemory(local=peers[rank], peers=peers, unified=unified, stride=num_bytes, keepalive=region)
+
+
+# ----- CUDA: torch symmetric memory -----
+
+
+def symmetric_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.device) -> ShardMemory:
+    """CUDA shard buffers in torch symmetric memory; every peer's buffer mapped through the handle."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"symmetric memory serves CUDA buffers, not {device}")
+    rank, num_ranks = group.rank(), group.size()
+    if num_ranks == 1:
+        local = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        return ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes)
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as e:  # pragma: no cover - depends on the torch build
+        raise RuntimeError(f"this torch build has no symmetric memory ({e}); multi-GPU engram groups need it") from e
+    try:
+        local = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(local, group)
+    except Exception as e:
+        raise RuntimeError(
+            f"symmetric-memory rendezvous failed on rank {rank}/{num_ranks} ({device}): {e}. Ranks sharing one GPU "
+            "need TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1; the group must be an NCCL group known to torch.distributed"
+        ) from e
+    local.zero_()
+    peers = [local if peer == rank else handle.get_buffer(peer, (num_bytes,), torch.uint8) for peer in range(num_ranks)]
+    return ShardMemory(local=local, peers=peers, unified=None, stride=0, keepalive=handle)
+
+
+def default_allocator(device: torch.device) -> ShardAllocator:
+    return symmetric_memory_allocator if torch.device(device).type == "cuda" else shared_memory_allocator
+
+
+def leftover_segments(pid: int | None = None) -> list[str]:
+    """Shared-memory shard files still present (of one creator pid, or all); for tests and cleanup."""
+    if not os.path.isdir(_SHM_DIR):
+        return []
+    prefix = SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}-"
+    return sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix))

@@ -1,0 +1,430 @@
+"""LocalEngramBuffer: engram tables sharded over the ranks of one machine, DeepEP `EngramBuffer` contract.
+
+Contract (the one of DeepEP's `EngramBuffer`, see shared/DESIGN.md, engine section):
+
+* Constructed collectively over a process group with `num_entries_per_layer[l]` = rows of layer l held
+  by EACH rank, `hidden`, `num_max_tokens`, `num_entries_per_token`, `dtype` (bfloat16, or float8_e4m3fn
+  with `num_sf_packs` > 0 packed 4-byte scale factors per row). Every rank must pass the same values.
+* Global row `g` of layer `l` lives on rank `g // n_l` at local row `g % n_l`.
+* `write(storages, sfs)`: each rank copies its own shards `[n_l, hidden]`; `sfs[l]` is either its own
+  scale rows `[n_l, num_sf_packs]` or the group-wide table `[num_ranks * n_l, num_sf_packs]`.
+* `fetch(indices, num_qps=0, use_tma_aligned_col_major_sf=True)` with int32 `[layers, tokens, entries]`
+  returns one hook per layer. A hook returns, for BF16, `data` `[tokens, entries * hidden]` contiguous;
+  for FP8 `(data, sf)` with `sf` `[tokens, entries * num_sf_packs]` in the scale dtype that was written:
+  MN-major and TMA aligned (strides `(1, align(tokens, 4))`, a view into a backing tensor
+  `[layers, entries * num_sf_packs * align(tokens, 4)]`, layer l at offset `l * layer_stride`) or
+  row-major (strides `(entries * num_sf_packs, 1)`). Negative or out-of-range ids give zero data and
+  zero scale factors. Ranks fetch independently: no collective per fetch.
+
+Gather: when every shard is mapped into one virtual range (CPU shared memory, and any one-rank group),
+global ids are turned into row numbers of that range with integer arithmetic and ALL rows are gathered
+by one `index_select` straight into the output (each row moved once; invalid ids read a zero row kept
+in the layout). Otherwise (CUDA symmetric memory) the CPU path groups ids by owner (one select per peer
+over only its ids); the CUDA path uses fixed-shape device ops only (no host sync, CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .allocators import PAGE_SIZE, ShardAllocator, ShardMemory, all_gather_int64, barrier, collective_device, default_allocator
+
+logger = logging.getLogger(__name__)
+
+# DeepGEMM's TMA alignment of MN-major 4-byte scale factors (and DeepEP's kNumAlignedSFPacks).
+NUM_ALIGNED_SF_PACKS = 4
+# Limits of DeepEP's EngramBuffer configuration.
+NUM_MAX_LAYERS = 128
+ROW_ALIGNMENT_BYTES = 64
+_WRITE_CHUNK_BYTES = 1 << 30
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+_allocator_override: ShardAllocator | None = None
+
+
+def set_shard_allocator(allocator: ShardAllocator | None) -> None:
+    """Override how shard buffers are allocated (None restores the default for the device)."""
+    global _allocator_override
+    _allocator_override = allocator
+
+
+def align(x: int, alignment: int) -> int:
+    return -(-x // alignment) * alignment
+
+
+def word_dtype(num_bytes: int) -> torch.dtype:
+    """Widest integer type tiling a row, so that gathers move words rather than bytes."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if num_bytes % dtype.itemsize == 0:
+            return dtype
+    return torch.uint8
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Byte layout of one rank's shard buffer (identical on every rank).
+
+    `[table l=0] .. [table l=L-1] [zero row] [scales l=0] .. [scales l=L-1] [zero scale row] [padding]`.
+    Table offsets are multiples of `row_bytes` and scale offsets multiples of `sf_row_bytes`, and the
+    total is a multiple of both and of the page size: with shards mapped back to back, every row of
+    every rank is one row of a single `[rows, row_bytes]` view of the whole range.
+    """
+
+    rows_per_layer: tuple[int, ...]
+    row_bytes: int
+    sf_row_bytes: int
+    table_offsets: tuple[int, ...]
+    zero_row_offset: int
+    sf_offsets: tuple[int, ...]
+    zero_sf_offset: int
+    num_bytes: int
+
+    @staticmethod
+    def build(rows_per_layer: Sequence[int], row_bytes: int, sf_row_bytes: int) -> ShardLayout:
+        offset = 0
+        table_offsets = []
+        for n in rows_per_layer:
+            table_offsets.append(offset)
+            offset += n * row_bytes
+        zero_row_offset = offset
+        offset += row_bytes
+        sf_offsets = []
+        zero_sf_offset = 0
+        if sf_row_bytes:
+            offset = align(offset, math.lcm(sf_row_bytes, ROW_ALIGNMENT_BYTES))
+            for n in rows_per_layer:
+                sf_offsets.append(offset)
+                offset += n * sf_row_bytes
+            zero_sf_offset = offset
+            offset += sf_row_bytes
+        total = align(offset, math.lcm(row_bytes, sf_row_bytes or 1, PAGE_SIZE))
+        return ShardLayout(tuple(rows_per_layer), row_bytes, sf_row_bytes, tuple(table_offsets), zero_row_offset, tuple(sf_offsets), zero_sf_offset, total)
+
+
+def _make_hook(result: object) -> Callable[[], object]:
+    def hook() -> object:
+        return result
+
+    return hook
+
+
+class LocalEngramBuffer:
+    """Engram tables sharded over one machine's ranks; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_entries_per_layer: Sequence[int],
+        hidden: int,
+        num_max_tokens: int,
+        num_entries_per_token: int,
+        dtype: torch.dtype = torch.bfloat16,
+        num_sf_packs: int = 0,
+        *,
+        device: torch.device | str | None = None,
+        allocator: ShardAllocator | None = None,
+    ) -> None:
+        if dtype not in _DTYPE_CODES:
+            raise ValueError(f"unsupported engram table dtype {dtype}; use torch.bfloat16 or torch.float8_e4m3fn")
+        if (dtype == torch.float8_e4m3fn) != (num_sf_packs > 0):
+            raise ValueError(f"FP8 tables need num_sf_packs > 0 and BF16 tables need 0, got dtype={dtype} num_sf_packs={num_sf_packs}")
+        if num_max_tokens <= 0 or num_entries_per_token <= 0 or hidden <= 0:
+            raise ValueError(f"sizes must be positive, got num_max_tokens={num_max_tokens} num_entries_per_token={num_entries_per_token} hidden={hidden}")
+        rows = [int(n) for n in num_entries_per_layer]
+        if not 0 < len(rows) <= NUM_MAX_LAYERS or any(n <= 0 for n in rows):
+            raise ValueError(f"num_entries_per_layer must hold 1..{NUM_MAX_LAYERS} positive row counts, got {list(num_entries_per_layer)}")
+        if hidden * dtype.itemsize % ROW_ALIGNMENT_BYTES:
+            raise ValueError(f"a row of {hidden} {dtype} values is {hidden * dtype.itemsize} bytes, not a multiple of {ROW_ALIGNMENT_BYTES}")
+
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        self.group = group
+        self.rank_idx = group.rank()
+        self.num_ranks = group.size()
+        self.num_entries_per_layer = rows
+        self.num_layers = len(rows)
+        self.hidden = hidden
+        self.dtype = dtype
+        self.num_max_tokens = num_max_tokens
+        self.num_entries_per_token = num_entries_per_token
+        self.num_sf_packs = num_sf_packs
+        self.use_fp8 = num_sf_packs > 0
+        self.sf_dtype = torch.int32  # the dtype of the scales given to write() wins
+        self.layout = ShardLayout.build(rows, hidden * dtype.itemsize, num_sf_packs * 4)
+        self.num_bytes = self.layout.num_bytes
+        self._coll_device = collective_device(group, self.device)
+        self._check_same_config_on_all_ranks()
+
+        allocator = allocator or _allocator_override or default_allocator(self.device)
+        memory: ShardMemory = allocator(group, self.num_bytes, self.device)
+        if len(memory.peers) != self.num_ranks or any(p.dtype != torch.uint8 or p.numel() < self.num_bytes for p in memory.peers):
+            raise RuntimeError("the shard allocator returned buffers that do not fit the layout")
+        self._memory = memory
+        self._build_views()
+        barrier(group, self._coll_device)
+
+    # ----- setup -----
+
+    def _check_same_config_on_all_ranks(self) -> None:
+        mine = [self.num_bytes, self.hidden, _DTYPE_CODES[self.dtype], self.num_sf_packs, self.num_entries_per_token, self.num_max_tokens, self.num_layers]
+        mine += self.num_entries_per_layer + [-1] * (NUM_MAX_LAYERS - self.num_layers)
+        gathered = all_gather_int64(self.group, mine, self._coll_device)
+        differing = [r for r, theirs in enumerate(gathered) if theirs != mine]
+        if differing:
+            raise RuntimeError(
+                f"engram buffer configuration differs across ranks (rank {self.rank_idx} has {mine[:7 + self.num_layers]}, "
+                f"ranks {differing} differ: {[gathered[r][:7 + max(gathered[r][6], 0)] for r in differing]})"
+            )
+
+    def _build_views(self) -> None:
+        layout, memory = self.layout, self._memory
+        self._table_word = word_dtype(layout.row_bytes)
+        self._row_words = layout.row_bytes // self._table_word.itemsize
+        self._sf_word = word_dtype(layout.sf_row_bytes) if self.use_fp8 else torch.uint8
+        self._sf_words = layout.sf_row_bytes // self._sf_word.itemsize if self.use_fp8 else 0
+
+        def region(buf: torch.Tensor, offset: int, n: int, row_bytes: int) -> torch.Tensor:
+            return buf[offset : offset + n * row_bytes].view(n, row_bytes)
+
+        # [rank][layer] -> uint8 [n_l, row_bytes] / [n_l, sf_row_bytes]
+        self._tables = [[region(p, layout.table_offsets[l], n, layout.row_bytes) for l, n in enumerate(self.num_entries_per_layer)] for p in memory.peers]
+        self._sfs = (
+            [[region(p, layout.sf_offsets[l], n, layout.sf_row_bytes) for l, n in enumerate(self.num_entries_per_layer)] for p in memory.peers]
+            if self.use_fp8
+            else []
+        )
+        unified = memory.unified
+        stride = memory.stride
+        self._unified = unified is not None and stride % layout.row_bytes == 0 and (not self.use_fp8 or stride % layout.sf_row_bytes == 0)
+        if self._unified:
+            span = self.num_ranks * stride
+            self._all_rows = unified[:span].view(self._table_word).view(span // layout.row_bytes, self._row_words)
+            self._seg_rows = stride // layout.row_bytes
+            self._zero_row = layout.zero_row_offset // layout.row_bytes
+            if self.use_fp8:
+                self._all_sfs = unified[:span].view(self._sf_word).view(span // layout.sf_row_bytes, self._sf_words)
+                self._seg_sf_rows = stride // layout.sf_row_bytes
+                self._zero_sf_row = layout.zero_sf_offset // layout.sf_row_bytes
+
+    def _check_alive(self) -> None:
+        if self._memory is None:
+            raise RuntimeError("this LocalEngramBuffer has been destroyed")
+
+    # ----- DeepEP EngramBuffer API -----
+
+    def destroy(self) -> None:
+        """Drop every view and release the shard memory (idempotent)."""
+        memory, self._memory = getattr(self, "_memory", None), None
+        self._tables = self._sfs = []
+        self._all_rows = self._all_sfs = None
+        if memory is not None:
+            memory.release()
+
+    def write(self, storages: Sequence[torch.Tensor], sfs: Sequence[torch.Tensor] | None = None) -> None:
+        """Collective: copy this rank's shards `[n_l, hidden]` (and scale factors) into the buffer."""
+        self._check_alive()
+        barrier(self.group, self._coll_device)
+        if len(storages) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} storages (one per layer), got {len(storages)}")
+        for layer, storage in enumerate(storages):
+            n = self.num_entries_per_layer[layer]
+            if tuple(storage.shape) != (n, self.hidden):
+                raise ValueError(f"layer {layer}: storage shape {tuple(storage.shape)} != {(n, self.hidden)}")
+            if storage.dtype != self.dtype or not storage.is_contiguous():
+                raise ValueError(f"layer {layer}: storage must be a contiguous {self.dtype} tensor, got {storage.dtype} (contiguous={storage.is_contiguous()})")
+        if self.use_fp8:
+            if sfs is None or len(sfs) != self.num_layers:
+                raise ValueError(f"FP8 engram tables need one scale-factor tensor per layer ({self.num_layers}), got {None if sfs is None else len(sfs)}")
+            sf_dtype = sfs[0].dtype
+            local_sfs = []
+            for layer, sf in enumerate(sfs):
+                n = self.num_entries_per_layer[layer]
+                if sf.dim() != 2 or sf.size(1) != self.num_sf_packs or sf.element_size() != 4 or not sf.is_contiguous():
+                    raise ValueError(f"layer {layer}: scale factors must be contiguous [rows, {self.num_sf_packs}] with 4-byte elements, got {sf.dtype} {tuple(sf.shape)}")
+                if sf.dtype != sf_dtype:
+                    raise ValueError(f"layer {layer}: scale-factor dtype {sf.dtype} differs from layer 0's {sf_dtype}")
+                if sf.size(0) == self.num_ranks * n and self.num_ranks > 1:
+                    sf = sf[self.rank_idx * n : (self.rank_idx + 1) * n]
+                elif sf.size(0) != n:
+                    raise ValueError(f"layer {layer}: {sf.size(0)} scale rows, expected {n} (own rows) or {self.num_ranks * n} (group-wide)")
+                local_sfs.append(sf)
+        elif sfs is not None:
+            raise ValueError("BF16 engram tables take no scale factors")
+
+        for layer, storage in enumerate(storages):
+            source = storage.view(torch.uint8).view(storage.shape[0], self.layout.row_bytes)
+            destination = self._tables[self.rank_idx][layer]
+            step = max(1, _WRITE_CHUNK_BYTES // self.layout.row_bytes)
+            for start in range(0, source.shape[0], step):
+                destination[start : start + step].copy_(source[start : start + step])
+        if self.use_fp8:
+            self.sf_dtype = sf_dtype
+            for layer, sf in enumerate(local_sfs):
+                self._sfs[self.rank_idx][layer].copy_(sf.contiguous().view(torch.uint8).view(sf.shape[0], self.layout.sf_row_bytes))
+        barrier(self.group, self._coll_device)
+
+    def fetch(self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = True) -> list[Callable[[], object]]:
+        """Gather the requested rows of every layer; one hook per layer (see the module docstring).
+
+        `num_qps` is accepted for DeepEP compatibility and ignored (no queue pairs here).
+        """
+        del num_qps
+        self._check_alive()
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or indices.dtype != torch.int32 or not indices.is_contiguous():
+            raise ValueError(
+                f"indices must be a contiguous int32 [layers, tokens, entries] tensor, got {getattr(indices, 'dtype', type(indices).__name__)} "
+                f"{tuple(getattr(indices, 'shape', ()))}"
+            )
+        if indices.device.type != self.device.type:
+            raise ValueError(f"indices are on {indices.device}, the buffer on {self.device}")
+        num_layers, num_tokens, entries = indices.shape
+        if num_layers != self.num_layers or entries != self.num_entries_per_token:
+            raise ValueError(f"indices shape {tuple(indices.shape)} does not match {self.num_layers} layers x {self.num_entries_per_token} entries per token")
+        if num_tokens > self.num_max_tokens:
+            raise ValueError(f"num_tokens={num_tokens} exceeds num_max_tokens={self.num_max_tokens}")
+
+        n = num_tokens * entries
+        data = torch.empty((num_layers, num_tokens, entries * self.hidden), dtype=self.dtype, device=self.device)
+        if self.use_fp8:
+            sf_width = entries * self.num_sf_packs
+            if use_tma_aligned_col_major_sf:
+                mn_stride = align(num_tokens, NUM_ALIGNED_SF_PACKS)
+                sf_layer_stride = sf_width * mn_stride
+                sf_strides = (1, mn_stride)
+            else:
+                sf_layer_stride = sf_width * num_tokens
+                sf_strides = (sf_width, 1)
+            sf_backing = torch.zeros((num_layers, sf_layer_stride), dtype=self.sf_dtype, device=self.device)
+
+        results: list[object] = []
+        for layer in range(num_layers):
+            ids = indices[layer].reshape(n)
+            out_rows = data[layer].view(torch.uint8).view(n, self.layout.row_bytes)
+            sf_rows = torch.empty((n, self.layout.sf_row_bytes), dtype=torch.uint8, device=self.device) if self.use_fp8 else None
+            if self._unified:
+                self._gather_unified(layer, ids, out_rows, sf_rows)
+            elif self.device.type == "cuda":
+                self._gather_fixed_shape(layer, ids, out_rows, sf_rows)
+            else:
+                self._gather_grouped(layer, ids, out_rows, sf_rows)
+            if self.use_fp8:
+                sf = sf_backing.as_strided((num_tokens, sf_width), sf_strides, layer * sf_layer_stride)
+                sf.copy_(sf_rows.view(self.sf_dtype).view(num_tokens, sf_width))
+                results.append((data[layer], sf))
+            else:
+                results.append(data[layer])
+        return [_make_hook(r) for r in results]
+
+    # ----- gathers: fill out[i] (uint8 [n, row_bytes]) with row ids[i] of the layer, zero if invalid -----
+
+    def _route(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Global ids -> (valid, owner rank, local row); invalid entries get owner 0 and row 0."""
+        n = self.num_entries_per_layer[layer]
+        ids = ids.to(torch.int64)
+        valid = (ids >= 0) & (ids < self.num_ranks * n)
+        safe = torch.where(valid, ids, 0)
+        if self.num_ranks == 1:
+            return valid, torch.zeros_like(safe), safe
+        owner = torch.div(safe, n, rounding_mode="floor")
+        return valid, owner, safe - owner * n
+
+    def _gather_unified(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
+        # Row r of rank p's shard is row p * seg_rows + offset + r of the single view over all shards.
+        n = self.num_entries_per_layer[layer]
+        ids = ids.to(torch.int64)
+        valid = (ids >= 0) & (ids < self.num_ranks * n)
+        base = self.layout.table_offsets[layer] // self.layout.row_bytes
+        owner = torch.div(ids, n, rounding_mode="floor") if self.num_ranks > 1 else None
+        if owner is None:
+            rows = ids + base
+        else:
+            rows = (owner * (self._seg_rows - n)).add_(ids).add_(base)
+        rows = torch.where(valid, rows, self._zero_row)
+        torch.index_select(self._all_rows, 0, rows, out=out_rows.view(self._table_word))
+        if sf_rows is not None:
+            sf_base = self.layout.sf_offsets[layer] // self.layout.sf_row_bytes
+            if owner is None:
+                srows = ids + sf_base
+            else:
+                srows = (owner * (self._seg_sf_rows - n)).add_(ids).add_(sf_base)
+            srows = torch.where(valid, srows, self._zero_sf_row)
+            torch.index_select(self._all_sfs, 0, srows, out=sf_rows.view(self._sf_word))
+
+    def _gather_grouped(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
+        # Host-synchronous (CPU only): select each peer's rows once, scatter them to their positions.
+        valid, owner, local = self._route(layer, ids)
+        out_rows[~valid] = 0
+        if sf_rows is not None:
+            sf_rows[~valid] = 0
+        for peer in range(self.num_ranks):
+            positions = torch.nonzero(valid & (owner == peer)).squeeze(1)
+            if positions.numel() == 0:
+                continue
+            rows = local.index_select(0, positions)
+            out_rows.index_copy_(0, positions, self._tables[peer][layer].index_select(0, rows))
+            if sf_rows is not None:
+                sf_rows.index_copy_(0, positions, self._sfs[peer][layer].index_select(0, rows))
+
+    def _gather_fixed_shape(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
+        # CUDA without one address space: fixed shapes only (no host sync, graph-capturable). Foreign ids
+        # read the peer's row 0 (a cache hit), so each requested row crosses the link once.
+        valid, owner, local = self._route(layer, ids)
+        out_rows.zero_()
+        if sf_rows is not None:
+            sf_rows.zero_()
+        for peer in range(self.num_ranks):
+            mine = (valid & (owner == peer)).unsqueeze(1)
+            rows = torch.where(mine.squeeze(1), local, 0)
+            torch.where(mine, self._tables[peer][layer].index_select(0, rows), out_rows, out=out_rows)
+            if sf_rows is not None:
+                torch.where(mine, self._sfs[peer][layer].index_select(0, rows), sf_rows, out=sf_rows)
+
+    # ----- row access for the host-side group (no collectives; writes go straight to the owner's shard) -----
+
+    def shard(self, rank: int, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rank `rank`'s rows of a layer as (table dtype [n_l, hidden], scale dtype [n_l, packs] or None)."""
+        self._check_alive()
+        table = self._tables[rank][layer].view(self.dtype).view(self.num_entries_per_layer[layer], self.hidden)
+        sf = self._sfs[rank][layer].view(self.sf_dtype).view(self.num_entries_per_layer[layer], self.num_sf_packs) if self.use_fp8 else None
+        return table, sf
+
+    def read_global_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Valid global ids int64 [k] -> (table dtype [k, hidden], scales [k, packs] or None)."""
+        self._check_alive()
+        k = rows.numel()
+        out = torch.empty((k, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
+        sf = torch.empty((k, self.layout.sf_row_bytes), dtype=torch.uint8, device=self.device) if self.use_fp8 else None
+        ids = rows.to(self.device, torch.int64)
+        if self._unified:
+            self._gather_unified(layer, ids, out, sf)
+        elif self.device.type == "cuda":
+            self._gather_fixed_shape(layer, ids, out, sf)
+        else:
+            self._gather_grouped(layer, ids, out, sf)
+        data = out.view(self.dtype).view(k, self.hidden)
+        return data, (sf.view(self.sf_dtype).view(k, self.num_sf_packs) if sf is not None else None)
+
+    def write_global_rows(self, layer: int, rows: torch.Tensor, data: torch.Tensor, sf: torch.Tensor | None) -> None:
+        """Write encoded rows (unique valid global ids) straight into their owners' shards."""
+        self._check_alive()
+        n = self.num_entries_per_layer[layer]
+        rows = rows.to(self.device, torch.int64)
+        data = data.to(self.device).contiguous().view(torch.uint8).view(-1, self.layout.row_bytes)
+        if sf is not None:
+            sf = sf.to(self.device).contiguous().view(torch.uint8).view(-1, self.layout.sf_row_bytes)
+        owner = torch.div(rows, n, rounding_mode="floor")
+        for peer in torch.unique(owner).tolist():
+            positions = torch.nonzero(owner == peer).squeeze(1)
+            local = rows.index_select(0, positions) - peer * n
+            self._tables[peer][layer].index_copy_(0, local, data.index_select(0, positions))
+            if sf is not None:
+                self._sfs[peer][layer].index_copy_(0, local, sf.index_select(0, positions))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

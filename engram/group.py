@@ -1,0 +1,429 @@
+"""EngramGroup: engram tables sharded over worker processes, served in the host process (a RowStore).
+
+The host process (ComfyUI's) is rank 0. It starts one worker per further rank with `sys.executable`
+running engram/worker.py (never multiprocessing spawn), forms the process group on loopback (gloo on
+the CPU, NCCL on CUDA), and every rank allocates its shard in memory every rank maps (shared memory on
+the CPU, symmetric memory on CUDA). Fetches, reads and writes then run in the host alone, touching
+peers' shards directly: no collective and no message per call. Workers only hold their memory and load
+their own row ranges of table files.
+
+Supervision: every call first checks that each worker is alive; a dead worker raises EngramWorkerError
+(rank and exit code), and every command to workers waits with a deadline while watching the process,
+so nothing hangs. Workers die with the host (PR_SET_PDEATHSIG, a parent-pid watchdog, EOF on their
+control socket). `close()` shuts them down and waits; it also runs at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import ue8m0
+from .buffer import LocalEngramBuffer
+from .store import check_fetch_indices, check_layer, check_rows, check_table_geometry, check_values, decode_rows, encode_rows, last_occurrence
+from .worker import gloo_group
+
+logger = logging.getLogger(__name__)
+
+_WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+_POLL_S = 0.05
+_SHUTDOWN_WAIT_S = 5.0
+
+
+class EngramWorkerError(RuntimeError):
+    """A worker process of an EngramGroup died, failed to start, or failed a command."""
+
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+# PR_SET_PDEATHSIG fires when the THREAD that started the child ends, so workers are started from one
+# long-lived thread rather than from whichever thread (e.g. ComfyUI's prompt worker) built the group.
+_launch_queue: queue.Queue | None = None
+_launch_lock = threading.Lock()
+
+
+def _launcher_loop(q: queue.Queue) -> None:
+    while True:
+        fn, box, done = q.get()
+        try:
+            box.append(("ok", fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(("error", e))
+        done.set()
+
+
+def _launch(fn):
+    global _launch_queue
+    with _launch_lock:
+        if _launch_queue is None:
+            _launch_queue = queue.Queue()
+            threading.Thread(target=_launcher_loop, args=(_launch_queue,), name="engram-launcher", daemon=True).start()
+    box: list = []
+    done = threading.Event()
+    _launch_queue.put((fn, box, done))
+    done.wait()
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
+class _Worker:
+    def __init__(self, rank: int, process: subprocess.Popen, conn: Connection) -> None:
+        self.rank = rank
+        self.process = process
+        self.conn = conn
+
+
+def _shutdown_workers(workers: list[_Worker]) -> None:
+    for worker in workers:
+        if worker.process.poll() is None:
+            try:
+                worker.conn.send(("shutdown",))
+            except OSError:
+                pass
+    deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+    for worker in workers:
+        try:
+            worker.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("engram worker %d did not stop within %.0f s; killing it", worker.rank, _SHUTDOWN_WAIT_S)
+            worker.process.kill()
+            worker.process.wait()
+        worker.conn.close()
+
+
+class EngramGroup:
+    """Engram tables over `num_ranks` processes (this one is rank 0); implements RowStore.
+
+    `rows_per_layer` are the GLOBAL rows each layer needs; every layer is padded up to a multiple of
+    `num_ranks`, and `self.rows_per_layer` reports the padded counts (rows past what was asked stay zero).
+    `device` is "cpu" (gloo, shared memory; `num_ranks` CPU ranks) or "cuda" (NCCL, symmetric memory; rank
+    r on GPU r). `num_entries_per_token` and `num_max_tokens` configure the DeepEP-style `fetch` of
+    `self.buffer`; `fetch_rows` accepts any entry and token count.
+    """
+
+    def __init__(
+        self,
+        rows_per_layer: Sequence[int],
+        hidden: int,
+        table_dtype: torch.dtype = torch.bfloat16,
+        *,
+        num_ranks: int = 1,
+        device: str = "cpu",
+        num_entries_per_token: int = 16,
+        num_max_tokens: int = 4096,
+        timeout: float = 60.0,
+        worker_threads: int = 1,
+    ) -> None:
+        requested = check_table_geometry(rows_per_layer, hidden, table_dtype)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("EngramGroup(device='cuda') needs a CUDA GPU; use device='cpu'")
+            if num_ranks > torch.cuda.device_count() and os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") != "1":
+                raise ValueError(f"{num_ranks} CUDA ranks but {torch.cuda.device_count()} GPUs (set TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 to share GPUs)")
+        self.num_ranks = num_ranks
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.hidden = hidden
+        self.table_dtype = table_dtype
+        self.num_layers = len(requested)
+        self.requested_rows_per_layer = requested
+        self.rows_per_rank = [-(-n // num_ranks) for n in requested]
+        self.rows_per_layer = [r * num_ranks for r in self.rows_per_rank]
+        self.num_sf_packs = ue8m0.num_sf_packs(hidden) if table_dtype == torch.float8_e4m3fn else 0
+        self.timeout = float(timeout)
+        self._workers: list[_Worker] = []
+        self._failure: EngramWorkerError | None = None
+        self.last_load_ranges: dict[int, list[list[int]]] = {}
+        self._closed = False
+        self._uses_default_group = False
+        self.buffer: LocalEngramBuffer | None = None
+        self._group = None
+        self._store = None
+        try:
+            self._start(device, num_entries_per_token, num_max_tokens, worker_threads)
+        except BaseException:
+            self.close()
+            raise
+        # Shuts the workers down when the group is collected or at interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _shutdown_workers, self._workers)
+
+    def __repr__(self) -> str:
+        return f"EngramGroup(num_ranks={self.num_ranks}, rows_per_layer={self.rows_per_layer}, hidden={self.hidden}, table_dtype={self.table_dtype}, device={self.device})"
+
+    # ----- startup -----
+
+    def _start(self, device: str, entries: int, max_tokens: int, worker_threads: int) -> None:
+        timeout = timedelta(seconds=self.timeout)
+        if self.num_ranks > 1:
+            self._store = dist.TCPStore("127.0.0.1", 0, self.num_ranks, is_master=True, timeout=timeout, wait_for_workers=False)
+            port = self._store.port
+        else:
+            self._store = dist.HashStore()
+            port = 0
+        config = {
+            "num_ranks": self.num_ranks,
+            "port": port,
+            "timeout": self.timeout,
+            "device": device,
+            "rows_per_rank": self.rows_per_rank,
+            "hidden": self.hidden,
+            "dtype": str(self.table_dtype).removeprefix("torch."),
+            "num_sf_packs": self.num_sf_packs,
+            "num_entries_per_token": entries,
+            "num_max_tokens": max_tokens,
+            "threads": worker_threads,
+        }
+        for rank in range(1, self.num_ranks):
+            self._workers.append(_launch(lambda rank=rank: self._spawn_worker(rank, config)))
+
+        def build() -> LocalEngramBuffer:
+            if device == "cuda":
+                if dist.is_initialized():
+                    raise RuntimeError("EngramGroup(device='cuda') needs torch.distributed's default group, which is already in use in this process")
+                torch.cuda.set_device(0)
+                dist.init_process_group("nccl", store=self._store, rank=0, world_size=self.num_ranks, timeout=timeout, device_id=self.device)
+                self._uses_default_group = True
+                self._group = dist.group.WORLD
+            else:
+                self._group = gloo_group(self._store, 0, self.num_ranks, timeout)
+            return LocalEngramBuffer(
+                self._group, self.rows_per_rank, self.hidden, max_tokens, entries, self.table_dtype, self.num_sf_packs, device=self.device
+            )
+
+        self.buffer = self._run_watched(build, "start the engram group")
+        for worker in self._workers:
+            status, value = self._receive(worker, time.monotonic() + self.timeout, "start")
+            if status != "ready":
+                raise EngramWorkerError(f"engram worker {worker.rank} failed to start: {value}", worker.rank)
+        logger.info("engram group up: %d %s rank(s), %s", self.num_ranks, device, self.rows_per_layer)
+
+    def _spawn_worker(self, rank: int, config: dict) -> _Worker:
+        host_end, worker_end = socket.socketpair()
+        try:
+            env = dict(os.environ)
+            env.setdefault("OMP_NUM_THREADS", str(config["threads"]))
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    _WORKER_SCRIPT,
+                    "--rank",
+                    str(rank),
+                    "--control-fd",
+                    str(worker_end.fileno()),
+                    "--parent-pid",
+                    str(os.getpid()),
+                    "--config",
+                    json.dumps(config),
+                ],
+                pass_fds=[worker_end.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+                close_fds=True,
+            )
+        finally:
+            worker_end.close()
+        return _Worker(rank, process, Connection(host_end.detach()))
+
+    def _run_watched(self, fn, what: str):
+        """Run a blocking collective step in a thread while watching the workers (never hang on a dead one)."""
+        box: list = []
+
+        def target() -> None:
+            try:
+                box.append(("ok", fn()))
+            except BaseException as e:  # noqa: BLE001
+                box.append(("error", e))
+
+        thread = threading.Thread(target=target, name="engram-collective", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout
+        while thread.is_alive():
+            self._check_workers(what)
+            if time.monotonic() > deadline:
+                raise EngramWorkerError(f"could not {what} within {self.timeout:.0f} s (a worker is stuck?)")
+            thread.join(_POLL_S)
+        status, value = box[0]
+        if status == "error":
+            self._check_workers(what)
+            raise value
+        return value
+
+    # ----- supervision -----
+
+    def _check_workers(self, what: str = "serve the call") -> None:
+        if self._failure is not None:
+            raise self._failure
+        for worker in self._workers:
+            code = worker.process.poll()
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                self._failure = EngramWorkerError(
+                    f"engram worker rank {worker.rank} (pid {worker.process.pid}) died ({how}); cannot {what}. Close this group and start a new one.",
+                    worker.rank,
+                    code,
+                )
+                raise self._failure
+
+    def _receive(self, worker: _Worker, deadline: float, what: str) -> tuple[str, Any]:
+        while True:
+            try:
+                if worker.conn.poll(_POLL_S):
+                    return worker.conn.recv()
+            except (EOFError, OSError):
+                time.sleep(_POLL_S)  # the process is going away; let poll() see it
+            self._check_workers(what)
+            if time.monotonic() > deadline:
+                raise EngramWorkerError(f"engram worker rank {worker.rank} did not answer within {self.timeout:.0f} s ({what})", worker.rank)
+
+    def _command(self, message: tuple, what: str) -> list[Any]:
+        """Send a command to every worker and collect the replies (raising the first failure)."""
+        for worker in self._workers:
+            try:
+                worker.conn.send(message)
+            except OSError:
+                self._check_workers(what)
+                raise
+        replies = []
+        deadline = time.monotonic() + self.timeout
+        for worker in self._workers:
+            status, value = self._receive(worker, deadline, what)
+            if status == "error":
+                raise value
+            replies.append(value)
+        return replies
+
+    def _ready(self, what: str) -> LocalEngramBuffer:
+        if self._closed:
+            raise RuntimeError("this EngramGroup is closed")
+        self._check_workers(what)
+        return self.buffer
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def ping(self) -> list[int]:
+        """Round trip to every worker; returns their pids."""
+        self._ready("ping")
+        return self._command(("ping",), "ping")
+
+    # ----- RowStore -----
+
+    def fetch_rows(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        buffer = self._ready("fetch rows")
+        check_fetch_indices(indices, self.num_layers)
+        _, tokens, entries = indices.shape
+        out = []
+        for layer in range(self.num_layers):
+            data, sf = buffer.read_global_rows(layer, indices[layer].reshape(-1))
+            out.append(decode_rows(data, sf).view(tokens, entries, self.hidden))
+        return out
+
+    def read_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        buffer = self._ready("read rows")
+        layer = check_layer(layer, self.num_layers)
+        rows = check_rows(rows, self.rows_per_layer[layer], layer)
+        return decode_rows(*buffer.read_global_rows(layer, rows))
+
+    def write_rows(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        buffer = self._ready("write rows")
+        layer = check_layer(layer, self.num_layers)
+        rows = check_rows(rows, self.rows_per_layer[layer], layer)
+        values = check_values(values, rows.numel(), self.hidden, layer)
+        rows, values = last_occurrence(rows, values)
+        data, sf = encode_rows(values.float(), self.table_dtype)
+        buffer.write_global_rows(layer, rows, data, sf)
+
+    # ----- table files -----
+
+    def save_table_file(self, path: str, *, hashing: Any = None, streams: Any = None) -> None:
+        """Write every row (padding included, so nothing written is lost) to a table file, shard by shard."""
+        from .table_file import write_table_file
+
+        buffer = self._ready("save a table file")
+        shards = [[buffer.shard(rank, layer) for rank in range(self.num_ranks)] for layer in range(self.num_layers)]
+        tables = [[table for table, _ in layer] for layer in shards]
+        scales = [[sf for _, sf in layer] for layer in shards] if self.num_sf_packs else None
+        write_table_file(path, tables, scales, hashing=hashing, streams=streams)
+
+    def load_table_file(self, path: str) -> dict:
+        """Load a table file: every rank reads only its own row ranges. Returns the file's metadata.
+
+        The file's layers may have fewer rows than this group's (padding); rows it lacks become zero.
+        """
+        from .table_file import TableFile
+        from .worker import load_own_rows
+
+        buffer = self._ready("load a table file")
+        path = os.path.abspath(path)
+        with TableFile(path) as f:
+            f.check_geometry(self.rows_per_layer, self.hidden, self.table_dtype, allow_fewer_rows=True)
+            metadata = f.metadata
+        self.last_load_ranges = {0: load_own_rows(buffer, 0, path)}
+        for worker, ranges in zip(self._workers, self._command(("load", path), f"load {path}")):
+            self.last_load_ranges[worker.rank] = ranges
+        return metadata
+
+    @classmethod
+    def from_table_file(cls, path: str, *, num_ranks: int = 1, device: str = "cpu", **kwargs: Any) -> EngramGroup:
+        """A group with a table file's geometry, loaded from it."""
+        from .table_file import TableFile
+
+        with TableFile(path) as f:
+            geometry = (f.rows_per_layer, f.hidden, f.table_dtype)
+        group = cls(*geometry, num_ranks=num_ranks, device=device, **kwargs)
+        try:
+            group.load_table_file(path)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    # ----- shutdown -----
+
+    def close(self) -> None:
+        """Shut the workers down (waiting for them), release the shards. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            _shutdown_workers(self._workers)
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None
+        if self._uses_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._group = None
+        self._store = None
+
+    def __enter__(self) -> EngramGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
