@@ -1,0 +1,338 @@
+"""EngramMemory: a hashed n-gram memory over a RowStore, bound to one text-encoder family.
+
+This is what ComfyUI's ENGRAM_MEMORY socket carries. It holds
+- `config` (MemoryConfig): the stream layout (which CONDITIONING rows/columns each tokenizer fills),
+  the hashing parameters, the row width, the gate setting and the fingerprint of every tokenizer's
+  decoded vocabulary (a memory refuses a tokenizer it was not built for);
+- `store`: the tables (LocalRowStore, or an EngramGroup of worker processes); the memory owns it and
+  `close()` releases it;
+- `version`: bumped by every write, so callers can tell a changed memory from an unchanged one.
+
+Tokens come in ComfyUI's `tokenize(text, return_word_ids=True)` format (see streams.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .compress import CompressedVocab, compressed_vocab
+from .fit import FitResult, LayerExample, closed_form_write, fit, mean_squared_error
+from .hashing import HashConfig, NgramHasher
+from .inject import combine, inject
+from .store import RowStore
+from .streams import StreamLayout, StreamTokens, place_tokens, total_rows
+
+logger = logging.getLogger(__name__)
+
+MEMORY_FORMAT = "fp8-engram-memory"
+MEMORY_FORMAT_VERSION = 1
+
+
+class EngramMemoryError(ValueError):
+    """A memory used with input it was not built for (another tokenizer, width, or conditioning)."""
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    layout: StreamLayout
+    hashing: HashConfig
+    hidden: int
+    fingerprints: dict[str, str] = field(default_factory=dict)  # token_key -> vocab fingerprint
+    gate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hashing.num_layers != len(self.layout.streams):
+            raise EngramMemoryError(
+                f"hashing has {self.hashing.num_layers} layers but the layout has {len(self.layout.streams)} streams"
+            )
+        for s in self.layout.streams:
+            if s.width > self.hidden:
+                raise EngramMemoryError(f"stream {s.name} is {s.width} wide, wider than the memory rows ({self.hidden})")
+
+    def to_metadata(self) -> tuple[dict, dict]:
+        """(hashing, streams) JSON objects for the table file."""
+        hashing = {
+            "format": MEMORY_FORMAT,
+            "format_version": MEMORY_FORMAT_VERSION,
+            **self.hashing.to_dict(),
+            "hidden": self.hidden,
+            "gate": self.gate,
+            "fingerprints": dict(self.fingerprints),
+        }
+        return hashing, self.layout.to_dict()
+
+    @classmethod
+    def from_metadata(cls, hashing: Mapping[str, Any] | None, streams: Mapping[str, Any] | None, source: str = "table file") -> "MemoryConfig":
+        if not isinstance(hashing, Mapping) or hashing.get("format") != MEMORY_FORMAT:
+            raise EngramMemoryError(f"{source}: no engram memory metadata (expected hashing.format = {MEMORY_FORMAT!r})")
+        if int(hashing.get("format_version", -1)) > MEMORY_FORMAT_VERSION:
+            raise EngramMemoryError(f"{source}: memory format version {hashing.get('format_version')} is newer than this pack reads")
+        if not isinstance(streams, Mapping):
+            raise EngramMemoryError(f"{source}: no stream layout in the metadata")
+        try:
+            return cls(
+                layout=StreamLayout.from_dict(streams),
+                hashing=HashConfig.from_dict(hashing),
+                hidden=int(hashing["hidden"]),
+                fingerprints={str(k): str(v) for k, v in dict(hashing.get("fingerprints", {})).items()},
+                gate=bool(hashing.get("gate", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngramMemoryError(f"{source}: bad engram memory metadata: {exc}") from exc
+
+    def rows_per_layer(self, num_ranks: int = 1) -> list[int]:
+        """Global rows per layer: what the hashing needs, rounded up to a multiple of num_ranks."""
+        needed = NgramHasher(self.hashing).rows_needed
+        return [-(-n // num_ranks) * num_ranks for n in needed]
+
+
+def config_from_table_file(path: str) -> tuple[MemoryConfig, dict]:
+    """(memory config, geometry) of a table file; raises TableFileError/EngramMemoryError naming the file."""
+    from .table_file import TableFile
+
+    with TableFile(path) as f:
+        meta = f.metadata
+    config = MemoryConfig.from_metadata(meta.get("hashing"), meta.get("streams"), source=str(path))
+    geometry = meta.get("geometry") or {}
+    if int(geometry.get("hidden", config.hidden)) != config.hidden:
+        raise EngramMemoryError(f"{path}: rows are {geometry.get('hidden')} wide but the memory metadata says {config.hidden}")
+    return config, geometry
+
+
+def make_config(
+    layout: StreamLayout,
+    tokenizers: Mapping[str, Any],
+    *,
+    max_order: int = 3,
+    heads: int = 8,
+    rows_per_head: int = 1 << 16,
+    seed: int = 0,
+    hidden: int | None = None,
+    gate: bool = False,
+) -> tuple[MemoryConfig, dict[str, CompressedVocab]]:
+    """A memory configuration for `layout`, given every stream's tokenizer (by token key: "l", "g",
+    "t5xxl"; a tokenizer-like object with decode(), or its decoded vocabulary)."""
+    vocabs = {}
+    for s in layout.streams:
+        if s.token_key not in tokenizers:
+            raise EngramMemoryError(f"no tokenizer given for stream {s.name} (token key {s.token_key!r})")
+        vocabs[s.token_key] = compressed_vocab(tokenizers[s.token_key])
+    hashing = HashConfig(
+        num_layers=len(layout.streams),
+        vocab_sizes=tuple(vocabs[s.token_key].num_compressed for s in layout.streams),
+        max_order=max_order,
+        heads=heads,
+        rows_per_head=rows_per_head,
+        seed=seed,
+    )
+    config = MemoryConfig(
+        layout=layout,
+        hashing=hashing,
+        hidden=hidden if hidden is not None else max(s.width for s in layout.streams),
+        fingerprints={k: v.fingerprint for k, v in vocabs.items()},
+        gate=gate,
+    )
+    return config, vocabs
+
+
+@dataclass
+class Hit:
+    """How one live token of one stream meets the memory."""
+
+    stream: str
+    row: int  # CONDITIONING row
+    token_id: int
+    entries_hit: int  # entries whose row holds a nonzero value
+    entries: int
+    norm: float  # L2 norm of the token's memory value v
+
+
+class EngramMemory:
+    def __init__(self, config: MemoryConfig, store: RowStore, vocabs: Mapping[str, CompressedVocab] | None = None):
+        if store.num_layers != config.hashing.num_layers:
+            raise EngramMemoryError(f"the tables have {store.num_layers} layers, the memory needs {config.hashing.num_layers}")
+        if store.hidden != config.hidden:
+            raise EngramMemoryError(f"the tables' rows are {store.hidden} wide, the memory's are {config.hidden}")
+        self.hasher = NgramHasher(config.hashing)
+        for layer, (have, need) in enumerate(zip(store.rows_per_layer, self.hasher.rows_needed)):
+            if have < need:
+                raise EngramMemoryError(f"layer {layer} has {have} rows, the hashing needs {need}")
+        self.config = config
+        self.store = store
+        self.version = 0
+        self.uid = uuid.uuid4().hex
+        self._vocabs: dict[str, CompressedVocab] = {}
+        self._lock = threading.RLock()
+        if vocabs:
+            for key, vocab in vocabs.items():
+                self._accept_vocab(key, vocab)
+
+    def __repr__(self) -> str:
+        return (f"EngramMemory({self.config.layout.family}: {self.config.layout.names}, rows={self.store.rows_per_layer}, "
+                f"hidden={self.config.hidden}, dtype={self.store.table_dtype}, version={self.version})")
+
+    # ----- tokenizers -----
+
+    def _accept_vocab(self, key: str, vocab: CompressedVocab) -> None:
+        expected = self.config.fingerprints.get(key)
+        if expected is not None and expected != vocab.fingerprint:
+            raise EngramMemoryError(
+                f"this memory was built for another {key!r} tokenizer (vocabulary fingerprint {expected[:12]}..., "
+                f"got {vocab.fingerprint[:12]}...); use the CLIP it was made with"
+            )
+        layer = [i for i, s in enumerate(self.config.layout.streams) if s.token_key == key]
+        for i in layer:
+            if self.config.hashing.vocab_sizes[i] != vocab.num_compressed:
+                raise EngramMemoryError(f"tokenizer {key!r} has {vocab.num_compressed} compressed ids, the memory expects {self.config.hashing.vocab_sizes[i]}")
+        self._vocabs[key] = vocab
+
+    def bind_tokenizers(self, tokenizers: Mapping[str, Any]) -> None:
+        """Attach (and check) the tokenizers of the streams; cheap when already bound (cached)."""
+        for s in self.config.layout.streams:
+            if s.token_key in tokenizers:
+                self._accept_vocab(s.token_key, compressed_vocab(tokenizers[s.token_key]))
+
+    def _vocab(self, key: str) -> CompressedVocab:
+        try:
+            return self._vocabs[key]
+        except KeyError:
+            raise EngramMemoryError(f"no tokenizer bound for token key {key!r}; call bind_tokenizers first") from None
+
+    # ----- lookup -----
+
+    def place(self, tokens: Mapping[str, Any]) -> list[StreamTokens]:
+        return place_tokens(self.config.layout, tokens)
+
+    def indices(self, placed: Sequence[StreamTokens], num_rows: int | None = None) -> torch.Tensor:
+        """int32 [layers, rows, entries]: every stream's row ids at its CONDITIONING rows, -1 elsewhere."""
+        num_rows = total_rows(placed) if num_rows is None else num_rows
+        out = torch.full((len(placed), num_rows, self.config.hashing.entries), -1, dtype=torch.int32)
+        for layer, p in enumerate(placed):
+            compressed = self._vocab(p.stream.token_key).compress(p.token_ids)
+            out[layer, p.rows] = self.hasher.hash_layer(layer, compressed)
+        return out
+
+    def values(self, tokens: Mapping[str, Any]) -> tuple[list[StreamTokens], list[torch.Tensor], list[torch.Tensor]]:
+        """(placed streams, memory values v per stream float32 [n, width], fetched rows per stream)."""
+        placed = self.place(tokens)
+        idx = self.indices(placed)
+        with self._lock:
+            fetched = self.store.fetch_rows(idx)
+        values, per_stream = [], []
+        for layer, p in enumerate(placed):
+            rows = fetched[layer][p.rows]
+            per_stream.append(rows)
+            values.append(combine(rows, p.stream.width))
+        return placed, values, per_stream
+
+    def apply(self, cond: torch.Tensor, tokens: Mapping[str, Any], strength: float = 1.0, gate: bool | None = None) -> torch.Tensor:
+        """CONDITIONING with the memory injected (a new tensor; bit-identical where nothing is stored)."""
+        placed, values, _ = self.values(tokens)
+        self._check_cond(cond, placed)
+        return inject(cond, placed, values, strength, self.config.gate if gate is None else gate)
+
+    def hits(self, tokens: Mapping[str, Any]) -> list[Hit]:
+        placed, values, fetched = self.values(tokens)
+        out = []
+        for p, v, rows in zip(placed, values, fetched):
+            written = (rows != 0).any(dim=-1)  # [n, entries]
+            for i in range(p.token_ids.numel()):
+                tid = int(p.token_ids[i])
+                if tid < 0:
+                    continue
+                out.append(Hit(p.stream.name, p.row_start + i, tid, int(written[i].sum()), int(written.shape[1]), float(v[i].norm())))
+        return out
+
+    def _check_cond(self, cond: torch.Tensor, placed: Sequence[StreamTokens]) -> None:
+        if not isinstance(cond, torch.Tensor) or cond.dim() != 3:
+            raise EngramMemoryError(f"CONDITIONING must be a [batch, rows, columns] tensor, got {getattr(cond, 'shape', type(cond).__name__)}")
+        for p in placed:
+            if p.rows.stop > cond.shape[1] or p.cols.stop > cond.shape[2]:
+                raise EngramMemoryError(
+                    f"stream {p.stream.name} needs rows [{p.rows.start}, {p.rows.stop}) and columns [{p.cols.start}, {p.cols.stop}) "
+                    f"but the CONDITIONING is {tuple(cond.shape)}: it was not made from this text by a "
+                    f"{self.config.layout.family} text encoder of this width"
+                )
+
+    # ----- writing -----
+
+    def _examples(self, tokens: Mapping[str, Any], base: torch.Tensor, target: torch.Tensor, internal_only: bool) -> list[LayerExample]:
+        placed = self.place(tokens)
+        self._check_cond(base, placed)
+        if target.dim() != 3 or target.shape[2] != base.shape[2]:
+            raise EngramMemoryError(f"target CONDITIONING {tuple(target.shape)} does not match the base {tuple(base.shape)}")
+        idx = self.indices(placed).to(torch.int64)
+        heads = self.config.hashing.heads
+        out = []
+        for layer, p in enumerate(placed):
+            rows_end = min(p.rows.stop, target.shape[1])
+            n = rows_end - p.row_start
+            if n <= 0:
+                continue
+            layer_idx = idx[layer, p.row_start:rows_end].clone()
+            if internal_only:
+                # keep order-n entries only where the n-gram lies inside the text (no start padding)
+                live = p.token_ids[:n] >= 0
+                rank = torch.cumsum(live.to(torch.int64), 0) - 1
+                for order in range(2, self.config.hashing.max_order + 1):
+                    cols = slice((order - 2) * heads, (order - 1) * heads)
+                    layer_idx[rank < order - 1, cols] = -1
+            cols = p.cols
+            out.append(LayerExample(
+                layer=layer,
+                indices=layer_idx,
+                base=base[0, p.row_start:rows_end, cols].detach().float().clone(),
+                target=target[0, p.row_start:rows_end, cols].detach().float().clone(),
+            ))
+        return out
+
+    def memorize(self, tokens: Mapping[str, Any], base: torch.Tensor, target: torch.Tensor, internal_only: bool = True) -> dict[int, int]:
+        """Closed-form write: the phrase `tokens` (whose plain CONDITIONING is `base`) is made to read as
+        `target` at strength 1 with the gate off. Only n-grams inside the phrase are written when
+        `internal_only` (so any prompt containing the phrase hits them). Returns rows written per layer."""
+        examples = self._examples(tokens, base, target, internal_only)
+        with self._lock:
+            written = closed_form_write(self.store, examples)
+            self.version += 1
+        if not written:
+            logger.warning("engram memorize: the text has no n-gram to store (it needs at least two live tokens)")
+        return written
+
+    def examples(self, pairs: Sequence[tuple[Mapping[str, Any], torch.Tensor, torch.Tensor]]) -> list[list[LayerExample]]:
+        """Training examples from (tokens, base CONDITIONING, target CONDITIONING) triples."""
+        return [self._examples(t, b, g, internal_only=False) for t, b, g in pairs]
+
+    def fit(self, examples: Sequence[Sequence[LayerExample]], **kwargs: Any) -> FitResult:
+        """Row-sparse fit over examples (see fit.fit for the keyword arguments)."""
+        with self._lock:
+            result = fit(self.store, examples, **kwargs)
+            if result.steps:
+                self.version += 1
+        return result
+
+    def error(self, examples: Sequence[Sequence[LayerExample]]) -> float:
+        with self._lock:
+            return mean_squared_error(self.store, examples)
+
+    # ----- lifetime and files -----
+
+    def metadata(self) -> tuple[dict, dict]:
+        return self.config.to_metadata()
+
+    def save(self, path: str) -> None:
+        """Write the tables and the memory metadata to a table file (atomically, by the store)."""
+        hashing, streams = self.metadata()
+        saver: Callable | None = getattr(self.store, "save_table_file", None)
+        if saver is None:
+            raise EngramMemoryError(f"{type(self.store).__name__} cannot save table files")
+        with self._lock:
+            saver(path, hashing=hashing, streams=streams)
+
+    def close(self) -> None:
+        self.store.close()
