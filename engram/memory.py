@@ -169,6 +169,9 @@ class EngramMemory:
         self.uid = uuid.uuid4().hex
         self._vocabs: dict[str, CompressedVocab] = {}
         self._lock = threading.RLock()
+        # Rows written through this object, per layer (so `clear` zeroes only those); None = unknown
+        # (tables loaded from a file), then `clear` zeroes everything.
+        self._written: dict[int, torch.Tensor] | None = {}
         if vocabs:
             for key, vocab in vocabs.items():
                 self._accept_vocab(key, vocab)
@@ -292,12 +295,41 @@ class EngramMemory:
             ))
         return out
 
+    def _track(self, examples: Sequence[LayerExample]) -> None:
+        if self._written is None:
+            return
+        for ex in examples:
+            rows = ex.indices[ex.indices >= 0]
+            if rows.numel():
+                old = self._written.get(ex.layer)
+                self._written[ex.layer] = torch.unique(rows if old is None else torch.cat([old, rows]))
+
+    def mark_untracked(self) -> None:
+        """Declare that the tables hold rows this object did not write (loaded from a file)."""
+        self._written = None
+
+    def clear(self) -> None:
+        """Zero every written row (all rows when unknown); bumps the version."""
+        with self._lock:
+            if self._written is None:
+                chunk = 1 << 16
+                for layer, n in enumerate(self.store.rows_per_layer):
+                    for start in range(0, n, chunk):
+                        rows = torch.arange(start, min(n, start + chunk), dtype=torch.int64)
+                        self.store.write_rows(layer, rows, torch.zeros(rows.numel(), self.store.hidden))
+            else:
+                for layer, rows in self._written.items():
+                    self.store.write_rows(layer, rows, torch.zeros(rows.numel(), self.store.hidden))
+            self._written = {}
+            self.version += 1
+
     def memorize(self, tokens: Mapping[str, Any], base: torch.Tensor, target: torch.Tensor, internal_only: bool = True) -> dict[int, int]:
         """Closed-form write: the phrase `tokens` (whose plain CONDITIONING is `base`) is made to read as
         `target` at strength 1 with the gate off. Only n-grams inside the phrase are written when
         `internal_only` (so any prompt containing the phrase hits them). Returns rows written per layer."""
         examples = self._examples(tokens, base, target, internal_only)
         with self._lock:
+            self._track(examples)
             written = closed_form_write(self.store, examples)
             self.version += 1
         if not written:
@@ -313,6 +345,7 @@ class EngramMemory:
         with self._lock:
             result = fit(self.store, examples, **kwargs)
             if result.steps:
+                self._track([ex for e in examples for ex in e])
                 self.version += 1
         return result
 

@@ -153,3 +153,18 @@ def test_sdxl_memory_writes_both_streams(clip):
     assert cosine(out[0, 2:5, 0:32], target[0, 2:5, 0:32]) > 0.999
     assert cosine(out[0, 2:5, 768:816], target[0, 2:5, 768:816]) > 0.999
     assert torch.equal(out[0, :, 32:768], base[0, :, 32:768])  # columns no stream owns
+
+
+def test_clear_zeroes_written_rows(clip):
+    memory = make_sd1_memory(clip)
+    tokens = sd1_tokens(clip, "a glowing crystal apple")
+    base, target = torch.randn(1, 77, 64), torch.randn(1, 77, 64)
+    memory.memorize(tokens, base, target)
+    assert not torch.equal(memory.apply(base, tokens), base)
+    memory.clear()
+    assert memory.version == 2 and torch.equal(memory.apply(base, tokens), base)
+    assert not bool(memory.store.tables[0].float().any())
+    memory.memorize(tokens, base, target)
+    memory.mark_untracked()
+    memory.clear()
+    assert not bool(memory.store.tables[0].float().any())
