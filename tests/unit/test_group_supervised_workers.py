@@ -1,0 +1,178 @@
+"""EngramGroup: worker processes serve a RowStore from the host; supervision and cleanup."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from fp8_engram.engram.allocators import leftover_segments
+from fp8_engram.engram.group import EngramGroup, EngramWorkerError
+from fp8_engram.engram.store import LocalRowStore, RowStore
+
+pytestmark = pytest.mark.unit
+
+HIDDEN = 256
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture(scope="module", params=[(1, torch.bfloat16), (2, torch.bfloat16), (4, torch.float8_e4m3fn)], ids=["1rank-bf16", "2rank-bf16", "4rank-fp8"])
+def group(request):
+    ranks, dtype = request.param
+    g = EngramGroup([1001, 333], HIDDEN, dtype, num_ranks=ranks, num_entries_per_token=4, num_max_tokens=32)
+    yield g
+    pids = g.worker_pids
+    g.close()
+    assert all(_gone(p) for p in pids), "a worker outlived close()"
+
+
+def test_group_is_a_rowstore_padded_to_the_rank_count(group):
+    assert isinstance(group, RowStore)
+    assert group.rows_per_layer == [-(-1001 // group.num_ranks) * group.num_ranks, -(-333 // group.num_ranks) * group.num_ranks]
+    assert len(group.ping()) == group.num_ranks - 1
+
+
+def test_fetch_rows_matches_float64_reference(group):
+    g = torch.Generator().manual_seed(group.num_ranks)
+    ref = [torch.zeros(n, HIDDEN, dtype=torch.float64) for n in group.rows_per_layer]
+    for layer, n in enumerate(group.rows_per_layer):
+        ids = torch.randperm(n, generator=g)[:200]
+        values = torch.randn(200, HIDDEN, generator=g, dtype=torch.float64)
+        group.write_rows(layer, ids, values.float())
+        ref[layer][ids] = values
+    indices = torch.randint(-4, 1100, (2, 7, 16), generator=g, dtype=torch.int32)
+    out = group.fetch_rows(indices)
+    threshold = 40.0 if group.table_dtype == torch.bfloat16 else 25.0
+    for layer, n in enumerate(group.rows_per_layer):
+        ids = indices[layer].reshape(-1).long()
+        valid = (ids >= 0) & (ids < n)
+        got = out[layer].reshape(-1, HIDDEN)
+        assert out[layer].shape == (7, 16, HIDDEN) and out[layer].dtype == torch.float32
+        assert torch.all(got[~valid] == 0)
+        assert sqnr_db(ref[layer][ids[valid]], got[valid]) > threshold
+        assert torch.equal(group.read_rows(layer, ids[valid]), got[valid])
+
+
+def _clear(group) -> None:
+    for layer, n in enumerate(group.rows_per_layer):
+        group.write_rows(layer, torch.arange(n), torch.zeros(n, HIDDEN))
+
+
+def test_group_agrees_bit_for_bit_with_local_store_and_the_deepep_fetch(group):
+    _clear(group)
+    local = LocalRowStore(group.rows_per_layer, HIDDEN, group.table_dtype)
+    g = torch.Generator().manual_seed(99)
+    for layer, n in enumerate(group.rows_per_layer):
+        ids = torch.randint(0, n, (300,), generator=g)  # repeats: the last value wins in both
+        values = torch.randn(300, HIDDEN, generator=g)
+        group.write_rows(layer, ids, values)
+        local.write_rows(layer, ids, values)
+    indices = torch.randint(-2, 1100, (2, 5, 4), generator=g, dtype=torch.int32)
+    for a, b in zip(group.fetch_rows(indices), local.fetch_rows(indices)):
+        assert torch.equal(a, b)
+    hooks = group.buffer.fetch(indices)
+    for layer in (1, 0):
+        result = hooks[layer]()
+        data = result[0] if isinstance(result, tuple) else result
+        assert data.shape == (5, 4 * HIDDEN)
+        want = local.tables[layer].view(torch.uint8)
+        ids = indices[layer].reshape(-1).long()
+        valid = (ids >= 0) & (ids < group.rows_per_layer[layer])
+        got = data.view(torch.uint8).reshape(-1, want.shape[1])
+        assert torch.equal(got[valid], want[ids[valid]]) and torch.all(got[~valid] == 0)
+
+
+def test_write_and_fetch_validation_errors(group):
+    with pytest.raises(IndexError, match="row ids must lie"):
+        group.write_rows(0, torch.tensor([group.rows_per_layer[0]]), torch.zeros(1, HIDDEN))
+    with pytest.raises(ValueError, match="shape"):
+        group.write_rows(0, torch.tensor([0, 1]), torch.zeros(1, HIDDEN))
+    with pytest.raises(IndexError, match="layer"):
+        group.write_rows(2, torch.tensor([0]), torch.zeros(1, HIDDEN))
+    with pytest.raises(ValueError, match="int32"):
+        group.fetch_rows(torch.zeros(2, 1, 1, dtype=torch.int64))
+
+
+def test_table_file_round_trip_and_workers_read_only_their_ranges(group, tmp_path):
+    g = torch.Generator().manual_seed(5)
+    for layer, n in enumerate(group.rows_per_layer):
+        group.write_rows(layer, torch.arange(n), torch.randn(n, HIDDEN, generator=g))
+    path = tmp_path / "table.safetensors"
+    group.save_table_file(str(path), hashing={"seed": 3, "primes": [7, 11]}, streams=["clip_l"])
+    indices = torch.randint(-1, 1100, (2, 9, 4), generator=g, dtype=torch.int32)
+    before = group.fetch_rows(indices)
+    _clear(group)
+    meta = group.load_table_file(str(path))
+    assert meta["hashing"] == {"seed": 3, "primes": [7, 11]} and meta["streams"] == ["clip_l"]
+    for a, b in zip(before, group.fetch_rows(indices)):
+        assert torch.equal(a, b)
+    # Each rank read exactly its own contiguous slice of every layer.
+    for layer, per_rank in enumerate(group.rows_per_rank):
+        ranges = sorted(tuple(group.last_load_ranges[r][layer][1:]) for r in range(group.num_ranks))
+        assert ranges == [(r * per_rank, (r + 1) * per_rank) for r in range(group.num_ranks)]
+
+
+def test_killed_worker_gives_clear_error_within_seconds():
+    g = EngramGroup([64], HIDDEN, num_ranks=2)
+    try:
+        pid = g.worker_pids[0]
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        while True:
+            try:
+                g.fetch_rows(torch.zeros(1, 1, 1, dtype=torch.int32))
+            except EngramWorkerError as e:
+                assert e.rank == 1 and e.exitcode == -signal.SIGKILL
+                assert "rank 1" in str(e) and "signal 9" in str(e)
+                break
+            assert time.monotonic() - start < 5.0, "no error 5 s after the worker died"
+            time.sleep(0.05)
+        with pytest.raises(EngramWorkerError):
+            g.ping()
+    finally:
+        g.close()
+    assert not leftover_segments(os.getpid())
+
+
+def test_workers_die_with_a_sigkilled_host(tmp_path):
+    pkg = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".host", "pkg")
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {pkg!r})
+        from fp8_engram.engram.group import EngramGroup
+        g = EngramGroup([64], 256, num_ranks=3)
+        print(" ".join(map(str, g.worker_pids)), flush=True)
+        time.sleep(120)
+        """
+    )
+    host = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in host.stdout.readline().split()]
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+        host.kill()
+        host.wait()
+        deadline = time.monotonic() + 5.0
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(p) for p in pids), "workers outlived their SIGKILLed host"
+    finally:
+        if host.poll() is None:
+            host.kill()
+    assert not leftover_segments(host.pid)
