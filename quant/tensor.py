@@ -186,8 +186,15 @@ class QuantizedTensor(torch.Tensor):
     def _replace(self, **changes) -> "QuantizedTensor":
         f = self._fields()
         f.update(changes)
-        return QuantizedTensor(f["qdata"], f["scale"], f["layout"], f["orig_dtype"],
-                               f["input_scale"], f["config"], f["transposed"])
+        args = (f["qdata"], f["scale"], f["layout"], f["orig_dtype"], f["input_scale"],
+                f["config"], f["transposed"])
+        if torch.is_inference_mode_enabled() and not self.is_inference():
+            # Views of a normal tensor must stay normal tensors under inference_mode (autograd
+            # shares their version counter, which inference tensors do not have). ComfyUI runs
+            # models under inference_mode with weights made outside it.
+            with torch.inference_mode(False):
+                return QuantizedTensor(*args)
+        return QuantizedTensor(*args)
 
     def _map_tensors(self, fn) -> "QuantizedTensor":
         """New QuantizedTensor with ``fn`` applied to every inner tensor (clone, detach, moves)."""
@@ -305,14 +312,24 @@ def _check_scale(scale, what: str) -> torch.Tensor:
     scale = scale.detach().to(torch.float32)
     if scale.numel() == 0:
         raise QuantizationError(f"{what} is empty")
-    if not bool(torch.isfinite(scale).all()):
-        raise QuantizationError(f"{what} holds inf or nan values; scales must be finite")
-    if not bool((scale > 0).all()):
+    finite = torch.isfinite(scale)
+    if not bool(finite.all()):
         raise QuantizationError(
-            f"{what} holds zero or negative values (min {scale.min().item():g}); "
-            f"scales must be > 0"
+            f"{what} holds inf or nan values (first at index {_first_false(finite)}); "
+            f"scales must be finite"
+        )
+    positive = scale > 0
+    if not bool(positive.all()):
+        raise QuantizationError(
+            f"{what} holds zero or negative values (min {scale.min().item():g}, first at index "
+            f"{_first_false(positive)}); scales must be > 0"
         )
     return scale
+
+
+def _first_false(mask: torch.Tensor) -> list:
+    flat = int((~mask).reshape(-1).nonzero()[0, 0])
+    return [int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape)] if mask.dim() else []
 
 
 def _mutated_positions(func):

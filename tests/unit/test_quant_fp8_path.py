@@ -1,0 +1,128 @@
+"""Choosing and running the fp8 x fp8 path: per call / per weight choice, the two scaled_mm APIs,
+falling back (logged once, never raising) when the kernel fails, and CUDA runs where present."""
+
+import importlib
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8_engram.quant import ComputeConfig, PerRow, PerTensor, QuantizedTensor, fp8_supported
+from fp8_engram.quant import linear as quant_linear
+from fp8_engram.quant.tensor import reset_log_once
+
+pytestmark = pytest.mark.unit
+
+lin = importlib.import_module("fp8_engram.quant.linear")
+FP8 = ComputeConfig(path="fp8")
+HAS_FP8_GPU = torch.cuda.is_available() and fp8_supported(torch.device("cuda"))
+
+
+def sqnr(ref, x):
+    ref = ref.double()
+    return (20 * torch.log10(ref.norm() / (ref - x.double()).norm())).item()
+
+
+def _data(out_f=96, in_f=192, tokens=24, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(out_f, in_f, generator=g) * 0.02).to(torch.bfloat16).to(device)
+    x = torch.randn(tokens, in_f, generator=g).to(torch.bfloat16).to(device)
+    return w, x
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    real = lin._scaled_mm
+    monkeypatch.setattr(lin, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_auto_on_cpu_is_weight_only(spy):
+    w, x = _data()
+    qt = QuantizedTensor.from_float(w, PerTensor())
+    y = F.linear(x, qt)
+    assert not spy
+    assert torch.equal(y, F.linear(x, qt.dequantize()))
+
+
+def test_choice_is_per_call_and_per_weight_not_per_class(spy):
+    w, x = _data()
+    a = QuantizedTensor.from_float(w, PerTensor(), config=FP8)
+    b = QuantizedTensor.from_float(w, PerTensor())
+    F.linear(x, a)
+    assert len(spy) == 1
+    F.linear(x, b)
+    assert len(spy) == 1  # b kept the default
+    quant_linear(x, b, config=FP8)
+    assert len(spy) == 2
+    quant_linear(x, a, config=ComputeConfig(path="weight_only"))
+    assert len(spy) == 2
+
+
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow()], ids=str)
+def test_failing_kernel_falls_back_logs_once_never_raises(layout, monkeypatch, caplog):
+    reset_log_once()
+    w, x = _data()
+    qt = QuantizedTensor.from_float(w, layout, config=FP8)
+
+    def broken(*a, **k):
+        raise RuntimeError("no FP8 kernel for this shape")
+
+    monkeypatch.setattr(lin, "_scaled_mm", broken)
+    with caplog.at_level(logging.WARNING):
+        y1 = F.linear(x, qt)
+        y2 = F.linear(x.unsqueeze(0), qt)
+    expected = F.linear(x, qt.dequantize())
+    assert torch.equal(y1, expected) and torch.equal(y2[0], expected)
+    fails = [r for r in caplog.records if "fp8 x fp8 linear failed" in r.getMessage()]
+    assert len(fails) == 1 and "no FP8 kernel" in fails[0].getMessage()
+    # with grad enabled the fallback still gives the right values and gradient
+    xg = x.clone().requires_grad_(True)
+    F.linear(xg, qt).float().sum().backward()
+    assert xg.grad is not None and sqnr(qt.dequantize(torch.float64).sum(0).expand(24, -1), xg.grad) > 40
+
+
+def test_both_scaled_mm_apis_give_the_same_result(monkeypatch):
+    w, x = _data()
+    qt = QuantizedTensor.from_float(w, PerRow(), config=ComputeConfig(path="fp8", activation_scaling="dynamic_row"))
+    new_api = F.linear(x, qt)
+    monkeypatch.delattr(F, "scaled_mm", raising=False)  # as on torch versions without it
+    old_api = F.linear(x, qt)
+    assert torch.equal(new_api, old_api)
+
+
+def test_empty_input_and_bias():
+    w, x = _data()
+    qt = QuantizedTensor.from_float(w, PerTensor(), config=FP8)
+    assert F.linear(x[:0], qt).shape == (0, 96)
+    bias = torch.full((96,), 0.5, dtype=torch.bfloat16)
+    ref = F.linear(x.double(), w.double(), bias.double())
+    assert sqnr(ref, F.linear(x, qt, bias)) >= 27
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow()], ids=str)
+@pytest.mark.parametrize("scaling", ["static", "dynamic_tensor", "dynamic_row"])
+def test_cuda_paths_are_accurate(layout, scaling, spy):
+    w, x = _data(256, 512, 64, device="cuda")
+    qt = QuantizedTensor.from_float(w, layout, input_scale=x.float().abs().amax().cpu() / 448)
+    ref = F.linear(x.double(), w.double())
+    wo = F.linear(x, qt.with_config(ComputeConfig(path="weight_only")))
+    assert not spy and sqnr(ref, wo) >= 30
+    auto = F.linear(x, qt.with_config(ComputeConfig(activation_scaling=scaling)))
+    assert sqnr(ref, auto) >= 27
+    assert bool(spy) == HAS_FP8_GPU  # auto takes the fp8 path exactly where FP8 units exist
+
+
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs a CUDA GPU with FP8 matrix units (capability 8.9+)")
+def test_cuda_fp8_kernel_does_not_fall_back(caplog):
+    reset_log_once()
+    w, x = _data(512, 1024, 128, device="cuda")
+    for layout in (PerTensor(), PerRow()):
+        qt = QuantizedTensor.from_float(w, layout)
+        with caplog.at_level(logging.WARNING):
+            for scaling in ("static", "dynamic_tensor", "dynamic_row"):
+                F.linear(x, qt.with_config(ComputeConfig(activation_scaling=scaling)))
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]

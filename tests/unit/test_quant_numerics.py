@@ -1,0 +1,266 @@
+"""Accuracy of every FP8 layout x dtype x compute path, measured as SQNR against float64.
+
+Thresholds (dB; gaussian weights, bf16 activations, measured ~1.5-3 dB above them):
+    float8_e4m3fn: dequantize >= 30, weight-only linear >= 30, fp8 x fp8 linear >= 27
+    float8_e5m2:   dequantize >= 24, weight-only linear >= 24, fp8 x fp8 linear >= 23
+The fp8 x fp8 path is also compared with an eager float64 twin of the same scaled product
+(>= 45 dB: only bf16 output rounding and accumulation order differ).
+"""
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor
+from fp8_engram.quant import linear as quant_linear
+from fp8_engram.quant.tensor import reset_log_once
+
+pytestmark = pytest.mark.unit
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+LAYOUTS = [PerTensor(), PerRow(), Block(32, 64), Block(1, 64), Block(48, 80)]  # last: ragged edges
+PATHS = ["weight_only", "fp8"]
+SCALINGS = ["static", "dynamic_tensor", "dynamic_row"]
+MIN_DEQ = {torch.float8_e4m3fn: 30.0, torch.float8_e5m2: 24.0}
+MIN_LINEAR = {
+    ("weight_only", torch.float8_e4m3fn): 30.0,
+    ("weight_only", torch.float8_e5m2): 24.0,
+    ("fp8", torch.float8_e4m3fn): 27.0,
+    ("fp8", torch.float8_e5m2): 23.0,
+}
+COMFYUI = Path(os.environ.get("COMFYUI_PATH", Path(__file__).resolve().parents[2] / ".host" / "comfyui"))
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref = ref.double()
+    return (20 * torch.log10(ref.norm() / (ref - x.double()).norm())).item()
+
+
+def _weight(out_f=96, in_f=192, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(out_f, in_f, generator=g) * 0.02).to(dtype)
+
+
+def _input(*lead, in_f=192, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*lead, in_f, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_dequantize_sqnr_per_layout(layout, fp8):
+    w = _weight(out_f=100, in_f=200) if isinstance(layout, Block) else _weight()
+    qt = QuantizedTensor.from_float(w, layout, fp8_dtype=fp8)
+    assert qt.qdata.dtype == fp8 and qt.dtype == torch.bfloat16 and qt.shape == w.shape
+    assert qt.scale.dtype == torch.float32
+    assert tuple(qt.scale.shape) == layout.scale_shape(tuple(w.shape))
+    assert sqnr(w, qt.dequantize()) >= MIN_DEQ[fp8]
+    assert qt.dequantize().dtype == torch.bfloat16
+    assert qt.dequantize(torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_linear_sqnr_every_layout_dtype_path(layout, fp8, path, scaling, monkeypatch):
+    w = _weight()
+    x = _input(3, 5)
+    bias = (torch.randn(96, generator=torch.Generator().manual_seed(2)) * 0.1).to(torch.bfloat16)
+    qt = QuantizedTensor.from_float(w, layout, fp8_dtype=fp8,
+                                    input_scale=x.float().abs().amax() / 448)
+    cfg = ComputeConfig(path=path, activation_scaling=scaling)
+    calls = []
+    lin = importlib.import_module("fp8_engram.quant.linear")  # the module, not the function
+    real = lin._scaled_mm
+    monkeypatch.setattr(lin, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = F.linear(x, qt.with_config(cfg), bias)
+    ref = F.linear(x.double(), w.double(), bias.double())
+    assert y.shape == (3, 5, 96) and y.dtype == torch.bfloat16
+    assert sqnr(ref, y) >= MIN_LINEAR[(path, fp8)]
+    # the path really taken: scaled_mm for fp8 (per-tensor / per-row), never for weight-only
+    expect_fp8 = path == "fp8" and not isinstance(layout, Block)
+    assert bool(calls) == expect_fp8
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow()], ids=str)
+def test_fp8_path_matches_eager_twin(layout, scaling):
+    """Forced fp8 x fp8 on the CPU equals the same scaled product computed in float64."""
+    w = _weight()
+    x = _input(2, 9)
+    in_scale = torch.tensor(0.004)  # small on purpose: static scaling must saturate, not overflow
+    qt = QuantizedTensor.from_float(w, layout, input_scale=in_scale).with_config(
+        ComputeConfig(path="fp8", activation_scaling=scaling))
+    y = F.linear(x, qt)
+    x2 = x.reshape(-1, 192).double()
+    if scaling == "static":
+        sa = in_scale.double()
+    elif scaling == "dynamic_tensor":
+        sa = x2.abs().max() / 448
+    else:
+        sa = x2.abs().amax(dim=1, keepdim=True) / 448
+    xq = (x2 / sa).clamp(-448, 448).float().to(torch.float8_e4m3fn).double() * sa
+    twin = xq @ qt.dequantize(torch.float64).t()
+    assert sqnr(twin, y.reshape(-1, 96)) >= 45.0
+
+
+def test_finer_layouts_win_on_uneven_rows():
+    """Rows spanning six decades: per-row and block scales keep every row accurate; one
+    per-tensor scale pushes the small rows into FP8's subnormals (worst-row SQNR)."""
+    w = _weight(out_f=128, in_f=256).double() * torch.logspace(-6, 0, 128, dtype=torch.float64)[:, None]
+
+    def worst_row(layout):
+        d = QuantizedTensor.from_float(w, layout).dequantize(torch.float64)
+        return min(sqnr(w[i], d[i]) for i in range(w.shape[0]))
+
+    assert worst_row(PerTensor()) < 10.0
+    for layout in (PerRow(), Block(1, 64)):
+        assert worst_row(layout) >= 28.0
+    assert worst_row(Block(16, 64)) >= 15.0  # a block spans ~0.7 decades of rows
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3, 4])
+@pytest.mark.parametrize("path", PATHS)
+def test_inputs_of_rank_1_to_4(rank, path):
+    w = _weight()
+    qt = QuantizedTensor.from_float(w, PerRow()).with_config(ComputeConfig(path=path))
+    lead = [2, 3, 4][: rank - 1]
+    x = _input(*lead)
+    ref = F.linear(x.double(), w.double())
+    for y in (F.linear(x, qt), quant_linear(x, qt), x @ qt.t(), torch.matmul(x, qt.T)):
+        assert y.shape == (*lead, 96)
+        assert sqnr(ref, y) >= MIN_LINEAR[(path, torch.float8_e4m3fn)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+def test_linear_under_inference_mode_no_grad_and_grad(mode, path, caplog):
+    reset_log_once()
+    w = _weight()
+    qt = QuantizedTensor.from_float(w, PerTensor()).with_config(ComputeConfig(path=path))
+    bias = torch.zeros(96, dtype=torch.bfloat16)
+    x = _input(4, 6)
+    ref = F.linear(x.double(), w.double())
+    ctx = {"inference_mode": torch.inference_mode(), "no_grad": torch.no_grad(),
+           "grad": torch.enable_grad()}[mode]
+    if mode == "grad":
+        x.requires_grad_(True)
+    with ctx:
+        outs = [F.linear(x, qt, bias), torch.nn.functional.linear(x, qt), x @ qt.t(),
+                torch.addmm(bias, x.reshape(-1, 192), qt.t()).reshape(4, 6, 96)]
+        # the aten level: torch-function handling switched off, so the op arrives decomposed
+        # (t + mm/addmm under no_grad, or whole under inference_mode)
+        with torch._C.DisableTorchFunctionSubclass():
+            outs.append(F.linear(x, qt, bias))
+            outs.append(torch.ops.aten.linear.default(x, qt, bias))
+            outs.append(torch.mm(x.reshape(-1, 192), qt.t()).reshape(4, 6, 96))
+    for y in outs:
+        assert sqnr(ref, y) >= MIN_LINEAR[(path, torch.float8_e4m3fn)]
+    # every form was handled by a quantized kernel, none by the dequantize fallback
+    assert not [r for r in caplog.records if "no quantized kernel" in r.getMessage()]
+    if mode == "grad":
+        outs[0].float().square().sum().backward()
+        assert qt.requires_grad is False
+        # d/dx sum(y^2) = 2 y W, compared with float64
+        y64 = F.linear(x.double(), w.double())
+        ref_grad = 2 * y64 @ w.double()
+        assert x.grad is not None and sqnr(ref_grad, x.grad) >= 24.0
+
+
+def test_matmul_forms_agree_with_linear():
+    w = _weight()
+    qt = QuantizedTensor.from_float(w, Block(32, 64))
+    x = _input(10)
+    y = F.linear(x, qt)
+    col = _input(5).t().contiguous()  # [192, 5]
+    assert torch.equal(torch.mm(x, qt.t()), y)
+    assert torch.equal(torch.addmm(torch.zeros(96, dtype=torch.bfloat16), x, qt.t()), y)
+    # W @ y (weight on the left): the transposed form of linear
+    assert sqnr(w.double() @ col.double(), qt @ col) >= 30
+    assert sqnr(w.double() @ col[:, 0].double(), torch.matmul(qt, col[:, 0])) >= 30
+
+
+def test_compute_dtype_and_float32_inputs():
+    w = _weight()
+    qt = QuantizedTensor.from_float(w, PerRow())
+    x = _input(3).float()
+    assert F.linear(x, qt).dtype == torch.float32
+    y = F.linear(x, qt.with_config(ComputeConfig(compute_dtype=torch.bfloat16)))
+    assert y.dtype == torch.bfloat16
+    assert sqnr(F.linear(x.double(), w.double()), y) >= 30
+    # a per-call config beats the weight's own
+    assert quant_linear(x, qt, config=ComputeConfig(compute_dtype=torch.float16)).dtype == torch.float16
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+def test_stochastic_rounding_is_unbiased(fp8):
+    """A constant between two FP8 grid points: round-to-nearest is off by a fixed amount on every
+    element; stochastic rounding is right on average (mean error < 1/10 of RTN's)."""
+    n = 1 << 16
+    # the 1.0 entry sets the scale to 1/max, so the constant sits at 1.0375 in FP8 units, 30% of
+    # the way from 1.0 to the next grid point (1.125 for e4m3fn, 1.25 for e5m2 at 0.15)
+    step = 0.125 if fp8 == torch.float8_e4m3fn else 0.25
+    fmax = torch.finfo(fp8).max
+    value = (1.0 + 0.3 * step) / fmax
+    w = torch.full((1, n), value, dtype=torch.float32)
+    w[0, 0] = 1.0
+    rtn = QuantizedTensor.from_float(w, PerTensor(), fp8_dtype=fp8).dequantize(torch.float64)
+    sr = QuantizedTensor.from_float(w, PerTensor(), fp8_dtype=fp8,
+                                    stochastic_rounding=1234).dequantize(torch.float64)
+    err_rtn = abs((rtn[0, 1:] - value).mean().item())
+    err_sr = abs((sr[0, 1:] - value).mean().item())
+    assert err_rtn > 0.2 * step / fmax
+    assert err_sr < 0.1 * err_rtn
+    # both grid neighbours are used, and the seed makes it reproducible
+    assert len(torch.unique(sr[0, 1:])) == 2
+    again = QuantizedTensor.from_float(w, PerTensor(), fp8_dtype=fp8, stochastic_rounding=1234)
+    assert torch.equal(again.dequantize(torch.float64), sr)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_stochastic_rounding_keeps_accuracy(layout):
+    w = _weight()
+    qt = QuantizedTensor.from_float(w, layout, stochastic_rounding=7)
+    assert sqnr(w, qt.dequantize()) >= 26.0  # SR adds noise: a bit below RTN's 30 dB
+
+
+def _import_comfy_quant_ops():
+    if not (COMFYUI / "comfy" / "quant_ops.py").is_file():
+        pytest.skip(f"ComfyUI 0.3.75 tree not found at {COMFYUI}")
+    added = str(COMFYUI) not in sys.path
+    if added:
+        sys.path.insert(0, str(COMFYUI))
+    try:
+        import comfy.cli_args
+
+        comfy.cli_args.args.cpu = True
+        import comfy.quant_ops as quant_ops
+    finally:
+        if added:
+            sys.path.remove(str(COMFYUI))
+    return quant_ops
+
+
+@pytest.mark.parametrize("orig", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("numel", [96 * 192, 512 * 512], ids=["small", "table-path"])
+def test_per_tensor_dequantize_matches_comfyui_bit_for_bit(fp8, orig, numel):
+    quant_ops = _import_comfy_quant_ops()
+    w = _weight(out_f=numel // 192 if numel == 96 * 192 else 512,
+                in_f=192 if numel == 96 * 192 else 512, dtype=orig)
+    qt = QuantizedTensor.from_float(w, PerTensor(), fp8_dtype=fp8)
+    theirs = quant_ops.TensorCoreFP8Layout.dequantize(qt.qdata, qt.scale, orig)
+    ours = qt.dequantize()
+    assert ours.dtype == theirs.dtype == orig
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    # and ComfyUI's own quantizer's data dequantizes identically through our tensor
+    cq, params = quant_ops.TensorCoreFP8Layout.quantize(w, dtype=fp8)
+    ours2 = QuantizedTensor.from_parts(cq, params["scale"], PerTensor(), orig_dtype=orig)
+    theirs2 = quant_ops.TensorCoreFP8Layout.dequantize(cq, params["scale"], orig)
+    assert torch.equal(ours2.dequantize().view(torch.uint8), theirs2.view(torch.uint8))
