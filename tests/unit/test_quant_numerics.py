@@ -249,11 +249,11 @@ def _import_comfy_quant_ops():
 
 @pytest.mark.parametrize("orig", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("fp8", FP8, ids=str)
-@pytest.mark.parametrize("numel", [96 * 192, 512 * 512], ids=["small", "table-path"])
+@pytest.mark.parametrize("numel", [96 * 192, 1024 * 1024], ids=["small", "table-path"])
 def test_per_tensor_dequantize_matches_comfyui_bit_for_bit(fp8, orig, numel):
     quant_ops = _import_comfy_quant_ops()
-    w = _weight(out_f=numel // 192 if numel == 96 * 192 else 512,
-                in_f=192 if numel == 96 * 192 else 512, dtype=orig)
+    w = _weight(out_f=numel // 192 if numel == 96 * 192 else 1024,
+                in_f=192 if numel == 96 * 192 else 1024, dtype=orig)
     qt = QuantizedTensor.from_float(w, PerTensor(), fp8_dtype=fp8)
     theirs = quant_ops.TensorCoreFP8Layout.dequantize(qt.qdata, qt.scale, orig)
     ours = qt.dequantize()
@@ -264,3 +264,20 @@ def test_per_tensor_dequantize_matches_comfyui_bit_for_bit(fp8, orig, numel):
     ours2 = QuantizedTensor.from_parts(cq, params["scale"], PerTensor(), orig_dtype=orig)
     theirs2 = quant_ops.TensorCoreFP8Layout.dequantize(cq, params["scale"], orig)
     assert torch.equal(ours2.dequantize().view(torch.uint8), theirs2.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+def test_cpu_pair_table_equals_plain_conversion_for_every_byte_pair(fp8, dtype):
+    """The fast CPU dequantization (a 65536-entry table over byte pairs) must give exactly the
+    bits of "convert, then multiply by the float32 scale" for all 65536 pairs."""
+    from fp8_engram.quant.layouts import _cpu_pair_lut
+
+    q = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(fp8)
+    q = q.reshape(256, 512)
+    scale = torch.tensor(0.0123)
+    fast = _cpu_pair_lut(q, dtype, scale)
+    slow = q.to(dtype).mul_(scale)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(_cpu_pair_lut(q, dtype, None), q.to(dtype), rtol=0, atol=0,
+                               equal_nan=True)

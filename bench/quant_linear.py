@@ -1,0 +1,158 @@
+"""Benchmark: FP8 QuantizedTensor linear vs bf16 F.linear (and vs ComfyUI 0.3.75's own
+QuantizedTensor linear on the same FP8 weights, when a ComfyUI tree is present).
+
+Shapes: a square 4096 case and Flux-like MLP shapes (tokens x 3072 -> 12288 and 12288 -> 3072).
+All variants run under torch.inference_mode() (as ComfyUI runs models), interleaved round-robin
+in one process; the ratio of best-of-N times is reported (medians printed too).
+On CUDA the fp8 x fp8 path (scaled_mm) is timed against bf16 as well.
+
+    .venv/bin/python bench/quant_linear.py [--device cpu|cuda] [--repeats N] [--quick]
+
+The last line printed is one JSON object: {"bench": "quant_linear", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / ".host" / "pkg"
+COMFYUI = Path(os.environ.get("COMFYUI_PATH", ROOT / ".host" / "comfyui"))
+sys.path.insert(0, str(PKG))
+
+from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor  # noqa: E402
+
+
+def load_comfy_quant_ops(device: str):
+    if not (COMFYUI / "comfy" / "quant_ops.py").is_file():
+        return None
+    sys.path.insert(0, str(COMFYUI))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = device == "cpu"
+    import comfy.quant_ops as quant_ops
+
+    return quant_ops
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_round_robin(fns: dict, repeats: int, device: str) -> dict:
+    """Run every fn once to warm up, then `repeats` interleaved rounds; seconds per call."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    sync(device)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
+    args = ap.parse_args()
+    device = args.device
+    repeats = args.repeats or (3 if device == "cpu" else 20)
+
+    if args.quick:
+        shapes = [("square", 256, 512, 512), ("flux-mlp-up", 128, 384, 1536)]
+    else:
+        shapes = [
+            ("square", 4096, 4096, 4096),
+            ("flux-mlp-up", 1024, 3072, 12288),
+            ("flux-mlp-down", 1024, 12288, 3072),
+            ("flux-mlp-up", 4096, 3072, 12288),
+            ("flux-mlp-down", 4096, 12288, 3072),
+        ]
+    quant_ops = load_comfy_quant_ops(device)
+    fp8_units = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
+          f"repeats={repeats} comfyui={'yes' if quant_ops else 'absent'} fp8_units={fp8_units}")
+
+    header = f"{'shape':14s} {'tokens':>6s} {'in':>6s} {'out':>6s} {'variant':22s} {'best ms':>9s} {'median ms':>10s} {'vs bf16':>8s}"
+    print(header)
+    print("-" * len(header))
+    results = []
+    g = torch.Generator().manual_seed(0)
+    for name, tokens, in_f, out_f in shapes:
+        w = (torch.randn(out_f, in_f, generator=g) * 0.02).to(torch.bfloat16).to(device)
+        x = torch.randn(tokens, in_f, generator=g).to(torch.bfloat16).to(device)
+        ours_pt = QuantizedTensor.from_float(w, PerTensor(), config=ComputeConfig(path="weight_only"))
+        fns = {"bf16 F.linear": lambda: F.linear(x, w)}
+        fns["ours weight-only/tensor"] = lambda: F.linear(x, ours_pt)
+        if quant_ops is not None:
+            cq = quant_ops.QuantizedTensor(ours_pt.qdata, "TensorCoreFP8Layout",
+                                           {"scale": ours_pt.scale, "orig_dtype": torch.bfloat16})
+            fns["comfyui 0.3.75"] = lambda: F.linear(x, cq)
+        if name == "square" or args.quick:
+            for label, layout in (("row", PerRow()), ("block128", Block(128, 128)),
+                                  ("block1x64", Block(1, 64))):
+                qt = QuantizedTensor.from_float(w, layout, config=ComputeConfig(path="weight_only"))
+                fns[f"ours weight-only/{label}"] = (lambda q: lambda: F.linear(x, q))(qt)
+        if fp8_units:
+            for scaling in ("dynamic_tensor", "dynamic_row"):
+                qt = ours_pt.with_config(ComputeConfig(path="fp8", activation_scaling=scaling))
+                fns[f"ours fp8xfp8/{scaling}"] = (lambda q: lambda: F.linear(x, q))(qt)
+        with torch.inference_mode():
+            if quant_ops is not None:  # same FP8 data, so the outputs must agree exactly
+                ours_out, comfy_out = F.linear(x, ours_pt), F.linear(x, cq)
+                assert torch.equal(ours_out, comfy_out), "ours and ComfyUI disagree"
+            times = time_round_robin(fns, repeats, device)
+        base_best = min(times["bf16 F.linear"])
+        row = {"shape": name, "tokens": tokens, "in": in_f, "out": out_f}
+        for variant, ts in times.items():
+            best, med = min(ts), statistics.median(ts)
+            print(f"{name:14s} {tokens:6d} {in_f:6d} {out_f:6d} {variant:22s} {best * 1e3:9.1f} "
+                  f"{med * 1e3:10.1f} {best / base_best:8.3f}")
+            row[f"ms[{variant}]"] = round(best * 1e3, 2)
+        row["ours_vs_bf16"] = round(min(times["ours weight-only/tensor"]) / base_best, 3)
+        if quant_ops is not None:
+            row["ours_vs_comfyui"] = round(min(times["ours weight-only/tensor"])
+                                           / min(times["comfyui 0.3.75"]), 3)
+            row["comfyui_vs_bf16"] = round(min(times["comfyui 0.3.75"]) / base_best, 3)
+        if fp8_units:
+            row["bf16_vs_fp8xfp8_speedup"] = round(
+                base_best / min(times["ours fp8xfp8/dynamic_tensor"]), 3)
+        for label in ("row", "block128", "block1x64"):
+            key = f"ours weight-only/{label}"
+            if key in times:
+                row[f"ours_{label}_vs_bf16"] = round(min(times[key]) / base_best, 3)
+        results.append(row)
+        print()
+        del w, x, ours_pt, fns
+
+    summary = {"bench": "quant_linear", "device": device, "threads": torch.get_num_threads(),
+               "repeats": repeats, "comfyui": quant_ops is not None, "fp8_units": fp8_units,
+               "statistic": "ratio of best-of-N times (interleaved)",
+               "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+               "cases": results}
+    print("ratios: ours/bf16 " + ", ".join(f"{r['shape']}@{r['tokens']}={r['ours_vs_bf16']}" for r in results))
+    if quant_ops is not None:
+        print("ratios: ours/comfyui " + ", ".join(
+            f"{r['shape']}@{r['tokens']}={r['ours_vs_comfyui']}" for r in results))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
