@@ -1,0 +1,342 @@
+"""FP8 nodes: load every published FP8 format, quantize in memory, save in the forms stock ComfyUI reads.
+
+Nodes (ids "FP8Engram.<Name>", category "fp8-engram/fp8"):
+- Load FP8 Diffusion Model (diffusion_models) -> MODEL
+- Load FP8 Checkpoint (checkpoints) -> MODEL, CLIP, VAE
+- Load FP8 Text Encoder (text_encoders, with stock CLIPLoader's type choice) -> CLIP
+- Quantize Model to FP8 (MODEL -> MODEL in memory, per-layer SQNR as text and IMAGE)
+- Save FP8 Model (MODEL -> a safetensors file in the output folder)
+
+What the frontend gets: every node returns `ui` data in the executed message, read by
+web/fp8_engram.js:
+- loaders:  ui.fp8_summary = [{file, format, layers_quantized, layers_total, bytes_on_disk, bytes_bf16,
+            compute_path, fp8_dtypes, granularity, stock_comfyui_reads_scales, notes}]
+- quantize: ui.fp8_quality = [{granularity, dtype, layers, kept, mean_sqnr_db, min_sqnr_db, worst_layer}]
+            and ui.text = [the per-layer table]
+- save:     ui.fp8_summary (of the written file) and ui.text = [a sentence saying where it went and
+            whether stock ComfyUI can read it]
+Loading goes through ComfyUI's own model construction with a fresh FP8 operations class per load
+(nodes/ops.py), so no full-precision copy of the model is made. Long loops report progress
+(comfy.utils.ProgressBar) and stop when the user cancels.
+"""
+
+from __future__ import annotations
+
+import io as _pyio
+import logging
+import math
+import os
+
+import comfy.model_management
+import comfy.sd
+import comfy.utils
+import folder_paths
+import torch
+from comfy_api.latest import io
+
+from ..quant import ComputeConfig, QuantizedTensor, formats, save
+from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, quantize_module
+from . import CATEGORY, NODE_ID_PREFIX
+from .ops import make_fp8_ops
+
+logger = logging.getLogger(__name__)
+
+FP8_CATEGORY = f"{CATEGORY}/fp8"
+
+COMPUTE_PATHS = {"auto": "auto", "fp8 matmul": "fp8", "weight-only": "weight_only"}
+ACT_SCALING = {"static": "static", "dynamic per tensor": "dynamic_tensor", "dynamic per row": "dynamic_row"}
+COMPUTE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ROUNDING = ("nearest", "stochastic")
+
+
+def _options():
+    return [
+        io.Combo.Input("compute_path", options=list(COMPUTE_PATHS), default="auto",
+                       tooltip="auto: fp8 x fp8 matmul on GPUs with FP8 units (CUDA 8.9+), weight-only elsewhere. "
+                       "fp8 matmul: always try it (falls back if it fails). weight-only: dequantize and multiply."),
+        io.Combo.Input("activation_scaling", options=list(ACT_SCALING), default="static",
+                       tooltip="How activations are scaled for fp8 x fp8: the file's static input scale (dynamic "
+                       "when it has none), one dynamic scale per tensor, or one per row (token)."),
+        io.Combo.Input("compute_dtype", options=list(COMPUTE_DTYPES), default="auto",
+                       tooltip="Dtype of the matmul and its output; auto follows the activations."),
+        io.Combo.Input("patch_rounding", options=list(ROUNDING), default="nearest", optional=True,
+                       tooltip="How weights are requantized after a LoRA or other weight patch: round to nearest, "
+                       "or stochastic rounding (seeded per weight)."),
+    ]
+
+
+def _config(compute_path, activation_scaling, compute_dtype) -> ComputeConfig:
+    return ComputeConfig(path=COMPUTE_PATHS[compute_path], activation_scaling=ACT_SCALING[activation_scaling],
+                         compute_dtype=COMPUTE_DTYPES[compute_dtype])
+
+
+def _path_label(cfg: ComputeConfig) -> str:
+    if cfg.path == "weight_only":
+        return "weight-only"
+    if cfg.path == "fp8":
+        return f"fp8 matmul ({cfg.activation_scaling})"
+    device = comfy.model_management.get_torch_device()
+    from ..quant import fp8_supported
+
+    return (f"auto: fp8 matmul ({cfg.activation_scaling})" if fp8_supported(device)
+            else f"auto: weight-only on {device}")
+
+
+def _progress_fn():
+    state = {"bar": None}
+
+    def progress(done, total):
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        if state["bar"] is None:
+            state["bar"] = comfy.utils.ProgressBar(total)
+        state["bar"].update_absolute(done, total)
+
+    return progress
+
+
+def _read(folder: str, name: str, cfg: ComputeConfig):
+    path = folder_paths.get_full_path_or_raise(folder, name)
+    try:
+        sd, report = formats.load_file(path, config=cfg, progress=_progress_fn())
+    except formats.FormatError as exc:
+        raise ValueError(f"{folder}/{name}: {exc}") from exc
+    # Layers the file marks "full precision matmul" run weight-only unless the user forces fp8.
+    if cfg.path == "auto":
+        wo = ComputeConfig("weight_only", cfg.activation_scaling, cfg.compute_dtype)
+        for info in report.layers:
+            if info.full_precision_mm and isinstance(sd.get(info.weight_key), QuantizedTensor):
+                sd[info.weight_key] = sd[info.weight_key].with_config(wo)
+    header = formats.read_header(path)
+    metadata = {k: v for k, v in header.metadata.items() if k not in ("_quantization_metadata", "quantization_config")}
+    return path, sd, report, metadata or None
+
+
+def _summary(report: formats.FormatReport, cfg: ComputeConfig) -> dict:
+    s = report.summary()
+    s["layers_total"] = report.linear_weights
+    s["compute_path"] = _path_label(cfg)
+    return s
+
+
+def _ops(cfg, patch_rounding):
+    return make_fp8_ops(cfg, stochastic_rounding=(patch_rounding == "stochastic"))
+
+
+class LoadFP8DiffusionModel(io.ComfyNode):
+    """Loads a diffusion model in any FP8 format (or full precision) with FP8 weights kept FP8."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID_PREFIX + "LoadFP8DiffusionModel",
+            display_name="Load FP8 Diffusion Model",
+            category=FP8_CATEGORY,
+            description="Loads a diffusion model from models/diffusion_models in any published FP8 format "
+            "(plain casts, ComfyUI scaled fp8 and mixed precision, per-layer comfy_quant, musubi fp8_scaled, "
+            "modelopt / compressed-tensors, DeepSeek block-wise), detected automatically. Weights stay FP8 in "
+            "memory; shows format, layers quantized, size on disk vs bf16 and the compute path.",
+            inputs=[io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                                   tooltip="File in models/diffusion_models.")] + _options(),
+            outputs=[io.Model.Output(display_name="MODEL", tooltip="The diffusion model with FP8 weights.")],
+        )
+
+    @classmethod
+    def execute(cls, unet_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
+        cfg = _config(compute_path, activation_scaling, compute_dtype)
+        path, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
+        options = {"custom_operations": _ops(cfg, patch_rounding)}
+        if cfg.compute_dtype is not None:
+            options["dtype"] = cfg.compute_dtype
+        model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, metadata=metadata)
+        if model is None:
+            raise ValueError(f"diffusion_models/{unet_name}: ComfyUI could not detect the model type of this file")
+        return io.NodeOutput(model, ui={"fp8_summary": [_summary(report, cfg)]})
+
+
+VAE_PREFIXES = ("first_stage_model.", "vae.")
+
+
+class LoadFP8Checkpoint(io.ComfyNode):
+    """Loads a checkpoint (MODEL, CLIP, VAE) whose FP8 weights stay FP8."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID_PREFIX + "LoadFP8Checkpoint",
+            display_name="Load FP8 Checkpoint",
+            category=FP8_CATEGORY,
+            description="Loads a full checkpoint from models/checkpoints in any FP8 format this pack reads; "
+            "the diffusion model and text encoders keep their FP8 weights, the VAE loads in full precision.",
+            inputs=[io.Combo.Input("ckpt_name", options=folder_paths.get_filename_list("checkpoints"),
+                                   tooltip="File in models/checkpoints.")] + _options(),
+            outputs=[io.Model.Output(display_name="MODEL", tooltip="The diffusion model with FP8 weights."),
+                     io.Clip.Output(display_name="CLIP", tooltip="The text encoder(s), FP8 where the file is."),
+                     io.Vae.Output(display_name="VAE", tooltip="The VAE (full precision).")],
+        )
+
+    @classmethod
+    def execute(cls, ckpt_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
+        cfg = _config(compute_path, activation_scaling, compute_dtype)
+        path, sd, report, metadata = _read("checkpoints", ckpt_name, cfg)
+        for k in list(sd):
+            if k.startswith(VAE_PREFIXES) and isinstance(sd[k], QuantizedTensor):
+                sd[k] = sd[k].dequantize()
+        ops = _ops(cfg, patch_rounding)
+        out = comfy.sd.load_state_dict_guess_config(
+            sd, output_vae=True, output_clip=True, embedding_directory=folder_paths.get_folder_paths("embeddings"),
+            model_options={"custom_operations": ops}, te_model_options={"custom_operations": ops}, metadata=metadata)
+        if out is None:
+            raise ValueError(f"checkpoints/{ckpt_name}: ComfyUI could not detect the model type of this file")
+        return io.NodeOutput(out[0], out[1], out[2], ui={"fp8_summary": [_summary(report, cfg)]})
+
+
+def _clip_types() -> list[str]:
+    return [t.name.lower() for t in comfy.sd.CLIPType]
+
+
+class LoadFP8TextEncoder(io.ComfyNode):
+    """Loads a text encoder whose FP8 weights stay FP8."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID_PREFIX + "LoadFP8TextEncoder",
+            display_name="Load FP8 Text Encoder",
+            category=FP8_CATEGORY,
+            description="Loads a text encoder from models/text_encoders in any FP8 format this pack reads "
+            "(including prefixed scaled_fp8 markers), with the same encoder types as the stock CLIP loader.",
+            inputs=[io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),
+                                   tooltip="File in models/text_encoders."),
+                    io.Combo.Input("type", options=_clip_types(), default="stable_diffusion",
+                                   tooltip="Which model family the encoder is for (as in the stock Load CLIP node).")]
+            + _options(),
+            outputs=[io.Clip.Output(display_name="CLIP", tooltip="The text encoder with FP8 weights.")],
+        )
+
+    @classmethod
+    def execute(cls, clip_name, type, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
+        cfg = _config(compute_path, activation_scaling, compute_dtype)
+        path, sd, report, metadata = _read("text_encoders", clip_name, cfg)
+        clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
+        clip = comfy.sd.load_text_encoder_state_dicts(
+            [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
+            model_options={"custom_operations": _ops(cfg, patch_rounding)})
+        return io.NodeOutput(clip, ui={"fp8_summary": [_summary(report, cfg)]})
+
+
+def _sqnr_plot(report) -> torch.Tensor:
+    """IMAGE [1, H, W, 3] float in [0, 1]: one bar per quantized layer (SQNR dB), drawn with PIL."""
+    from PIL import Image, ImageDraw
+
+    layers = report.quantized
+    w, h, pad = max(320, 8 * len(layers) + 80), 240, 40
+    img = Image.new("RGB", (w, h), (24, 24, 24))
+    d = ImageDraw.Draw(img)
+    vals = [l.sqnr_db if l.sqnr_db is not None and math.isfinite(l.sqnr_db) else 60.0 for l in layers]
+    top = max([40.0] + vals)
+    d.line([(pad, h - pad), (w - 10, h - pad)], fill=(180, 180, 180))
+    d.line([(pad, 10), (pad, h - pad)], fill=(180, 180, 180))
+    for db in range(0, int(top) + 1, 10):
+        y = h - pad - (h - pad - 10) * db / top
+        d.line([(pad - 4, y), (pad, y)], fill=(180, 180, 180))
+        d.text((4, y - 6), f"{db}", fill=(200, 200, 200))
+    bw = max(2, (w - pad - 20) // max(1, len(layers)) - 2)
+    for i, v in enumerate(vals):
+        x0 = pad + 4 + i * (bw + 2)
+        y = h - pad - (h - pad - 10) * v / top
+        color = (80, 200, 120) if v >= 30 else (230, 180, 60) if v >= 20 else (230, 80, 80)
+        d.rectangle([x0, y, x0 + bw, h - pad], fill=color)
+    d.text((pad + 4, h - pad + 8), f"SQNR (dB) per quantized layer, {report.granularity} {report.fp8_dtype}",
+           fill=(220, 220, 220))
+    arr = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).reshape(h, w, 3)
+    return (arr.float() / 255.0).unsqueeze(0)
+
+
+class QuantizeModelToFP8(io.ComfyNode):
+    """Quantizes a MODEL's linear weights to FP8 in memory and reports SQNR per layer."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID_PREFIX + "QuantizeModelToFP8",
+            display_name="Quantize Model to FP8",
+            category=FP8_CATEGORY,
+            description="Quantizes the linear layers of a diffusion model to FP8 in memory (the input model is "
+            "left unchanged; the output carries the FP8 weights as patches). Layers matching the keep patterns "
+            "stay in full precision. Reports the quality of every layer as SQNR (dB), as text and as a plot.",
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to quantize."),
+                io.Combo.Input("granularity", options=list(GRANULARITIES), default="tensor",
+                               tooltip="One scale per tensor (stock ComfyUI can read it when saved), per row "
+                               "(output channel), or per 128x128 block."),
+                io.Combo.Input("fp8_dtype", options=["e4m3fn", "e5m2"], default="e4m3fn",
+                               tooltip="e4m3fn: more precision (the usual choice); e5m2: more range."),
+                io.String.Input("keep_patterns", default=", ".join(DEFAULT_KEEP), multiline=True,
+                                tooltip="Comma or newline separated globs of layer names to keep in full precision "
+                                "(defaults: embeddings, norms, first and last layers)."),
+            ],
+            outputs=[io.Model.Output(display_name="MODEL", tooltip="The model with FP8 linear weights."),
+                     io.String.Output(display_name="report", tooltip="Per-layer SQNR table as text."),
+                     io.Image.Output(display_name="plot", tooltip="Per-layer SQNR as a bar chart.")],
+        )
+
+    @classmethod
+    def execute(cls, model, granularity, fp8_dtype, keep_patterns) -> io.NodeOutput:
+        keep = [p.strip() for p in keep_patterns.replace("\n", ",").split(",") if p.strip()]
+        diffusion = model.get_model_object("diffusion_model")
+        new, report = quantize_module(diffusion, granularity=granularity, fp8_dtype=fp8_dtype, keep=keep,
+                                      progress=_progress_fn())
+        out = model.clone()
+        for key, qt in new.items():
+            out.add_object_patch("diffusion_model." + key, torch.nn.Parameter(qt, requires_grad=False))
+        s = report.summary()
+        worst = min(report.quantized, key=lambda l: l.sqnr_db, default=None)
+        quality = {"granularity": s["granularity"], "dtype": s["fp8_dtype"], "layers": s["layers_quantized"],
+                   "kept": s["layers_kept"], "mean_sqnr_db": s["sqnr_db_mean"], "min_sqnr_db": s["sqnr_db_min"],
+                   "worst_layer": worst.name if worst else None}
+        text = report.text()
+        return io.NodeOutput(out, text, _sqnr_plot(report), ui={"fp8_quality": [quality], "text": [text]})
+
+
+class SaveFP8Model(io.ComfyNode):
+    """Writes a MODEL with FP8 weights to a safetensors file in the output folder."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID_PREFIX + "SaveFP8Model",
+            display_name="Save FP8 Model",
+            category=FP8_CATEGORY,
+            description="Saves the diffusion model's weights (FP8 where they are FP8) as a .safetensors file in "
+            "the output folder, atomically; an existing file is never replaced (a counter is added). Per-tensor "
+            "FP8 files load unchanged in stock ComfyUI's Load Diffusion Model; row- and block-wise files need "
+            "this pack's loader, and the node says so.",
+            inputs=[io.Model.Input("model", tooltip="The model to save (e.g. from Quantize Model to FP8)."),
+                    io.String.Input("filename_prefix", default="fp8/model",
+                                    tooltip="Name (and subfolder) inside the output folder; a counter is appended.")],
+            outputs=[io.String.Output(display_name="path", tooltip="Where the file was written.")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, model, filename_prefix) -> io.NodeOutput:
+        out_dir = folder_paths.get_output_directory()
+        full_folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, out_dir)
+        path = save.unique_path(os.path.join(full_folder, f"{filename}_{counter:05}_.safetensors"))
+        # The weights as they are used, patches applied (object patches included), FP8 kept.
+        comfy.model_management.load_models_gpu([model], force_full_load=True)
+        sd = model.model.diffusion_model.state_dict()
+        sd = {k: (v.detach() if not isinstance(v, QuantizedTensor) else v) for k, v in sd.items()}
+        result = save.save_state_dict(sd, path, progress=_progress_fn())
+        report = formats.inspect_file(result.path)
+        where = os.path.relpath(result.path, out_dir)
+        msg = (f"saved output/{where} ({result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} FP8 layers). "
+               + ("Stock ComfyUI's Load Diffusion Model reads it unchanged." if result.stock_comfy_readable else
+                  "Stock ComfyUI cannot read its row/block-wise scales: load it with Load FP8 Diffusion Model."))
+        summary = report.summary()
+        summary["layers_total"] = report.linear_weights
+        summary["compute_path"] = "-"
+        return io.NodeOutput(result.path, ui={"fp8_summary": [summary], "text": [msg]})
+
+
+NODES = [LoadFP8DiffusionModel, LoadFP8Checkpoint, LoadFP8TextEncoder, QuantizeModelToFP8, SaveFP8Model]

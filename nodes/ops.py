@@ -1,0 +1,211 @@
+"""ComfyUI operations class for FP8 weights: one fresh class per load, carrying that load's options.
+
+`make_fp8_ops(config, ...)` returns a subclass of `comfy.ops.manual_cast` whose `Linear`:
+- never allocates a full-precision weight: `__init__` creates only the bias, and
+  `_load_from_state_dict` takes the `QuantizedTensor` from the state dict as it is (FP8 bytes,
+  memory-mapped from the file until touched); plain weights (layers kept in high precision) load as
+  in stock ComfyUI;
+- runs forward through `fp8_engram.quant.linear` with the weight's ComputeConfig (weight-only on the
+  CPU by default); a weight on another device moves as FP8 (that is what offloading moves);
+- supports ComfyUI weight patches (LoRA ...) through the `convert_weight` / `set_weight` hooks that
+  `comfy.model_patcher` looks up: dequantize -> patch -> requantize into the same layout and FP8
+  dtype with a fresh scale (round to nearest, or stochastic with ComfyUI's per-key seed). The
+  patcher keeps the original QuantizedTensor as its backup, so unpatching restores the exact bytes.
+Options live on the fresh class only (never on a shared class), so two loads never leak into each other.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import comfy.model_management
+import comfy.ops
+import torch
+
+from ..quant import ComputeConfig, QuantizedTensor
+from ..quant import linear as quant_linear
+
+logger = logging.getLogger(__name__)
+
+_run_every_op = getattr(comfy.ops, "run_every_op", None)
+aten = torch.ops.aten
+
+
+def _same_device(device, current: torch.device) -> bool:
+    if device is None:
+        return True
+    device = torch.device(device)
+    return device.type == current.type and (device.index is None or device.index == current.index)
+
+
+def _tensor_to(func, args, kwargs):
+    """`Tensor.to` overloads as they arrive under `inference_mode` (ComfyUI moves and backs up weights
+    there): same semantics as torch (self when nothing changes and no copy is asked), FP8 kept."""
+    qt = args[0]
+    name = func._overloadname
+    a = list(args[1:])
+    if name == "dtype_layout":
+        dtype, device = kwargs.get("dtype"), kwargs.get("device")
+        non_blocking, copy = kwargs.get("non_blocking", False), kwargs.get("copy", False)
+    elif name == "device":
+        device = a[0] if a else kwargs.get("device")
+        dtype = a[1] if len(a) > 1 else kwargs.get("dtype")
+        non_blocking = a[2] if len(a) > 2 else kwargs.get("non_blocking", False)
+        copy = a[3] if len(a) > 3 else kwargs.get("copy", False)
+    elif name == "dtype":
+        device, dtype = None, (a[0] if a else kwargs.get("dtype"))
+        non_blocking = a[1] if len(a) > 1 else kwargs.get("non_blocking", False)
+        copy = a[2] if len(a) > 2 else kwargs.get("copy", False)
+    else:  # "other"
+        other = a[0] if a else kwargs.get("other")
+        device, dtype = other.device, other.dtype
+        non_blocking = a[1] if len(a) > 1 else kwargs.get("non_blocking", False)
+        copy = a[2] if len(a) > 2 else kwargs.get("copy", False)
+    same_dtype = dtype is None or dtype == qt.dtype
+    if _same_device(device, qt.device) and same_dtype and not copy:
+        return qt
+    return qt_aten_ops()[aten._to_copy.default](aten._to_copy.default, (qt,), {
+        "dtype": None if same_dtype else dtype, "device": device, "non_blocking": non_blocking})
+
+
+def qt_aten_ops() -> dict:
+    from ..quant.tensor import ATEN_OPS
+
+    return ATEN_OPS
+
+
+def ensure_tensor_to_overloads() -> None:
+    """Make sure `Tensor.to` keeps QuantizedTensor weights FP8 under inference_mode. quant-core's
+    dispatch table may not list these overloads yet; register ours only where it has none."""
+    table = qt_aten_ops()
+    for op in (aten.to.dtype_layout, aten.to.device, aten.to.dtype, aten.to.other):
+        if op not in table:
+            table[op] = _tensor_to
+
+
+ensure_tensor_to_overloads()
+
+
+def move_quantized(w: QuantizedTensor, device) -> QuantizedTensor:
+    """The same FP8 weight on `device` (bytes and scales move; nothing is dequantized)."""
+    if _same_device(device, w.device):
+        return w
+    return QuantizedTensor.from_parts(
+        w.qdata.to(device), w.scale.to(device), w.layout, orig_dtype=w.orig_dtype,
+        input_scale=None if w.input_scale is None else w.input_scale.to(device), config=w.config)
+
+
+def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bool = False,
+                 base=comfy.ops.manual_cast):
+    """A new operations class (subclass of `base`) for one load. `config` is attached to quantized
+    weights that come without one; `stochastic_rounding` applies to requantization after patches."""
+    cfg = config or ComputeConfig()
+    sr = bool(stochastic_rounding)
+
+    class FP8Ops(base):
+        fp8_config = cfg
+        fp8_stochastic_rounding = sr
+
+        class Linear(base.Linear):
+            def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+                torch.nn.Module.__init__(self)
+                self.in_features = in_features
+                self.out_features = out_features
+                self.factory_dtype = dtype
+                self.factory_device = device
+                # No weight storage yet: the state dict brings it (FP8, or full precision for kept layers).
+                self.register_parameter("weight", None)
+                if bias:
+                    self.bias = torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False)
+                else:
+                    self.register_parameter("bias", None)
+
+            def reset_parameters(self):
+                return None
+
+            def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs):
+                key = prefix + "weight"
+                w = state_dict.pop(key, None)
+                if w is not None:
+                    if isinstance(w, QuantizedTensor):
+                        if w.config is None:
+                            w = w.with_config(FP8Ops.fp8_config)
+                        if self.factory_device is not None:
+                            w = move_quantized(w, self.factory_device)
+                    else:
+                        dtype = self.factory_dtype if self.factory_dtype is not None else w.dtype
+                        w = w.to(device=self.factory_device or w.device, dtype=dtype)
+                    if tuple(w.shape) != (self.out_features, self.in_features):
+                        error_msgs.append(f"size mismatch for {key}: file has {list(w.shape)}, "
+                                          f"the model expects {[self.out_features, self.in_features]}")
+                    else:
+                        self.weight = torch.nn.Parameter(w, requires_grad=False)
+                super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                              unexpected_keys, error_msgs)
+                if w is None and key not in missing_keys:
+                    missing_keys.append(key)
+                elif w is not None and key in missing_keys:
+                    missing_keys.remove(key)
+
+
+            def forward(self, input, *args, **kwargs):
+                if _run_every_op is not None:
+                    _run_every_op()
+                w = self.weight
+                if w is None:
+                    raise RuntimeError("FP8 Linear has no weight: the state dict did not contain it")
+                if not isinstance(w, QuantizedTensor):
+                    return super().forward(input, *args, **kwargs)
+                if len(self.weight_function) > 0 or len(self.bias_function) > 0:
+                    # lowvram patches: ComfyUI casts, dequantizes through convert_weight and patches per call
+                    weight, bias, offload_stream = comfy.ops.cast_bias_weight(self, input, offloadable=True)
+                    out = torch.nn.functional.linear(input, weight, bias)
+                    comfy.ops.uncast_bias_weight(self, weight, bias, offload_stream)
+                    return out
+                device = input.device
+                w = move_quantized(w, device)  # FP8 bytes and scales move, nothing else
+                bias = self.bias
+                if bias is not None:
+                    out_dtype = (w.config.compute_dtype if w.config is not None else None) or input.dtype
+                    bias = comfy.model_management.cast_to(bias, out_dtype, device)
+                return quant_linear(input, w, bias)
+
+            # -- weight patches (comfy.model_patcher.get_key_weight looks these up) -----------------
+            def convert_weight(self, weight, inplace=False, **kwargs):
+                if isinstance(weight, QuantizedTensor):
+                    return weight.dequantize(torch.float32)
+                return weight
+
+            def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
+                cur = self.weight
+                if not isinstance(cur, QuantizedTensor):
+                    new = weight.to(dtype=cur.dtype, device=cur.device)
+                    if return_weight:
+                        return new
+                    if inplace_update:
+                        cur.data.copy_(new)
+                    else:
+                        self.weight = torch.nn.Parameter(new, requires_grad=False)
+                    return None
+                rounding = seed if (FP8Ops.fp8_stochastic_rounding and seed is not None) else None
+                fresh = QuantizedTensor.from_float(weight.to(device=cur.qdata.device, dtype=torch.float32),
+                                                   cur.layout, fp8_dtype=cur.fp8_dtype, stochastic_rounding=rounding)
+                new = QuantizedTensor.from_parts(fresh.qdata, fresh.scale, cur.layout, orig_dtype=cur.orig_dtype,
+                                                 input_scale=cur.input_scale, config=cur.config)
+                if return_weight:
+                    return new.dequantize(weight.dtype if weight.dtype.is_floating_point and weight.dtype.itemsize >= 2
+                                          else cur.orig_dtype)
+                if inplace_update:
+                    with torch.no_grad():
+                        cur.qdata.copy_(new.qdata)
+                        cur.scale.copy_(new.scale)
+                else:
+                    self.weight = torch.nn.Parameter(new, requires_grad=False)
+                return None
+
+    FP8Ops.__name__ = FP8Ops.__qualname__ = "FP8EngramOps"
+    return FP8Ops
+
+
+__all__ = ["make_fp8_ops", "move_quantized", "ensure_tensor_to_overloads"]
