@@ -1,0 +1,190 @@
+"""Load benchmark: this pack's FP8 loader vs stock ComfyUI UNETLoader on the same >= 1 GB FP8 file.
+
+Makes a synthetic SD3-shaped (MMDiT) FP8 checkpoint in a temporary folder (per-tensor e4m3fn with
+`.weight_scale` + `_quantization_metadata`, the form both loaders read), then runs each loader in its
+own fresh subprocess: time until the model has run its first sampling step (load + first step: the file
+is mapped lazily, so a load that never touches the weights would measure nothing), time of a second
+step, and peak RSS (ru_maxrss) above the process baseline measured after imports. The file is deleted
+at the end. Targets: time ratios pack/stock <= 1.0; peak RSS above baseline <= file size x 1.15.
+
+    python bench/load.py [--hidden 1536] [--repeats 1] [--keep-dir DIR]
+
+Prints a table and, as the last line, one JSON object {"bench": "load", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTEXT, POOLED = 4096, 2048
+
+
+def comfy_root() -> Path:
+    if os.environ.get("COMFYUI_PATH"):
+        return Path(os.environ["COMFYUI_PATH"])
+    return Path((ROOT / ".host" / "comfyui_path").read_text().strip())
+
+
+def setup_paths():
+    sys.path.insert(0, str(comfy_root()))
+    sys.path.insert(0, str(ROOT / ".host" / "pkg"))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def make_file(path: Path, hidden: int) -> int:
+    """Stream a random SD3-shaped FP8 file to `path` without holding the model in memory."""
+    setup_paths()
+    import json as _json
+
+    import torch
+    from comfy.ldm.modules.diffusionmodules import mmdit
+
+    from fp8_engram.quant import save
+
+    depth = hidden // 64
+    with torch.device("meta"):
+        model = mmdit.MMDiT(patch_size=2, in_channels=16, out_channels=16, depth=depth, adm_in_channels=POOLED,
+                            context_embedder_config={"target": "torch.nn.Linear",
+                                                     "params": {"in_features": CONTEXT, "out_features": hidden}},
+                            pos_embed_max_size=96, num_patches=96 * 96, qk_norm="rms", dtype=torch.bfloat16,
+                            device="meta", operations=torch.nn)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    entries, layers = [], {}
+    gen = torch.Generator().manual_seed(0)
+    for k, shape in shapes.items():
+        if k.endswith(".weight") and len(shape) == 2:
+            layer = k[: -len(".weight")]
+            entries += [(k, torch.float8_e4m3fn, shape), (layer + ".weight_scale", torch.float32, ())]
+            layers[layer] = {"format": "float8_e4m3fn"}
+        else:
+            entries.append((k, torch.bfloat16, shape))
+
+    def get(name):
+        shape = dict((n, s) for n, _, s in entries)[name]
+        if name.endswith(".weight_scale"):
+            return torch.tensor(1.0 / (448 * 8 * 32), dtype=torch.float32)
+        w_shape = shapes.get(name)
+        if name.endswith(".weight") and len(shape) == 2:
+            # values ~ N(0, 1/fan_in) after the scale: draw the fp8 codes directly
+            q = (torch.randn(shape, generator=gen) * 448 / 4).clamp(-448, 448)
+            return q.to(torch.float8_e4m3fn)
+        if "norm" in name:
+            return torch.ones(w_shape, dtype=torch.bfloat16)
+        return (torch.randn(w_shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    meta = {"_quantization_metadata": _json.dumps({"format_version": "1.0", "layers": layers})}
+    return save.write_safetensors(path, entries, get, meta)
+
+
+def child(loader: str, path: str) -> None:
+    setup_paths()
+    import torch
+    import comfy.model_management
+    import comfy.sample
+    import comfy.sd
+
+    baseline = rss_mb()
+    noise = torch.randn(1, 16, 16, 16, generator=torch.Generator().manual_seed(0))
+    latent = torch.zeros(1, 16, 16, 16)
+    cond = [[torch.randn(1, 77, CONTEXT, generator=torch.Generator().manual_seed(1)),
+             {"pooled_output": torch.randn(1, POOLED, generator=torch.Generator().manual_seed(2))}]]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        if loader == "stock":
+            model = comfy.sd.load_diffusion_model(path)
+        else:
+            from fp8_engram.nodes.ops import make_fp8_ops
+            from fp8_engram.quant import ComputeConfig, formats
+
+            cfg = ComputeConfig()
+            sd, _ = formats.load_file(path, config=cfg)
+            model = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": make_fp8_ops(cfg)})
+        t_load = time.perf_counter() - t0
+        comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0, disable_pbar=True)
+        t_first = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0, disable_pbar=True)
+        t_second = time.perf_counter() - t1
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    print(json.dumps({"loader": loader, "load_s": t_load, "first_step_s": t_first, "second_step_s": t_second,
+                      "baseline_mb": baseline, "peak_mb": peak}))
+
+
+def run_child(loader: str, path: Path) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--child", loader, str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{loader} child failed:\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1536, help="MMDiT hidden size (depth = hidden/64); 1536 -> ~1.4 GB")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--keep-dir", help="make the file here and keep it (default: a temp dir, deleted)")
+    p.add_argument("--child", nargs=2, metavar=("LOADER", "FILE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(*args.child)
+        return 0
+    folder = Path(args.keep_dir) if args.keep_dir else Path(tempfile.mkdtemp(prefix="fp8_bench_load_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"synthetic_sd3_h{args.hidden}_fp8.safetensors"
+    try:
+        if not path.exists():
+            t = time.perf_counter()
+            size = make_file(path, args.hidden)
+            print(f"made {path.name}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
+        size = path.stat().st_size
+        results = {"pack": [], "stock": []}
+        for _ in range(args.repeats):
+            for loader in ("stock", "pack"):
+                results[loader].append(run_child(loader, path))
+        best = {k: {m: min(r[m] for r in v) for m in v[0]} for k, v in results.items() if v}
+        print(f"{'loader':<8}{'load s':>9}{'to 1st step s':>15}{'2nd step s':>12}{'peak-base MiB':>15}{'x file':>8}")
+        for k in ("stock", "pack"):
+            b = best[k]
+            above = b["peak_mb"] - b["baseline_mb"]
+            print(f"{k:<8}{b['load_s']:>9.2f}{b['first_step_s']:>15.2f}{b['second_step_s']:>12.2f}{above:>15.0f}"
+                  f"{above * 2**20 / size:>8.2f}")
+        pk, st = best["pack"], best["stock"]
+        pack_above = (pk["peak_mb"] - pk["baseline_mb"]) * 2**20
+        out = {
+            "bench": "load", "file_bytes": size, "hidden": args.hidden,
+            "first_step_ratio": round(pk["first_step_s"] / st["first_step_s"], 3),
+            "second_step_ratio": round(pk["second_step_s"] / st["second_step_s"], 3),
+            "pack_first_step_s": round(pk["first_step_s"], 3), "stock_first_step_s": round(st["first_step_s"], 3),
+            "pack_second_step_s": round(pk["second_step_s"], 3), "stock_second_step_s": round(st["second_step_s"], 3),
+            "pack_peak_rss_above_baseline_x_file": round(pack_above / size, 3),
+            "stock_peak_rss_above_baseline_x_file": round((st["peak_mb"] - st["baseline_mb"]) * 2**20 / size, 3),
+        }
+        print(json.dumps(out))
+    finally:
+        if not args.keep_dir:
+            if path.exists():
+                path.unlink()
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
