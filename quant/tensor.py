@@ -111,6 +111,18 @@ class QuantizedTensor(torch.Tensor):
     def fp8_dtype(self) -> torch.dtype:
         return self.qdata.dtype
 
+    # Storage questions are answered for the FP8 data, so memory accounting and pinning see the
+    # real footprint (ComfyUI computes sizes as nelement() * element_size() and pins tensors
+    # named "QuantizedTensor" through data_ptr()).
+    def element_size(self) -> int:
+        return self.qdata.element_size()
+
+    def data_ptr(self) -> int:
+        return self.qdata.data_ptr()
+
+    def is_contiguous(self, memory_format=torch.contiguous_format) -> bool:
+        return self.qdata.is_contiguous(memory_format=memory_format)
+
     # -- construction --------------------------------------------------------------------------
 
     @classmethod

@@ -224,3 +224,10 @@ def test_with_config_shares_storage():
     other = qt.with_config(ComputeConfig(path="weight_only"))
     assert other.qdata.data_ptr() == qt.qdata.data_ptr() and other.config.path == "weight_only"
     assert qt.config is None
+
+
+def test_storage_questions_describe_the_fp8_data():
+    qt = _qt(PerRow())
+    assert qt.element_size() == 1 and qt.nelement() * qt.element_size() == qt.qdata.nbytes
+    assert qt.data_ptr() == qt.qdata.data_ptr() and qt.data_ptr() != 0
+    assert qt.is_contiguous() and not qt.is_pinned()
