@@ -14,10 +14,18 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 from .layouts import PerTensor, QuantizationError
 from .linear import linear
-from .tensor import ATEN_OPS, TORCH_FUNCTIONS, QuantizedTensor, dequantize_fallback, log_once
+from .tensor import (
+    ATEN_OPS,
+    TORCH_FUNCTIONS,
+    QuantizedTensor,
+    _companion_dtype,
+    dequantize_fallback,
+    log_once,
+)
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -286,6 +294,29 @@ def _aten_mm(func, args, kwargs):
 @implements(aten.addmm.default)
 def _aten_addmm(func, args, kwargs):
     return _addmm(args[0], args[1], args[2], kwargs.get("beta", 1), kwargs.get("alpha", 1))
+
+
+def _dequantized_call(func):
+    """Torch-function handler for ops that are weight-only by nature (convolutions): dequantize
+    into the input's dtype and run the stock kernel, quietly."""
+    def handler(args, kwargs):
+        dtype = _companion_dtype(args, kwargs)
+
+        def deq(a):
+            return a.dequantize(dtype) if _is_qt(a) else a
+
+        return func(*tree_map(deq, args), **tree_map(deq, kwargs))
+    return handler
+
+
+for _conv in (F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+              F.conv_transpose3d):
+    TORCH_FUNCTIONS[_conv] = _dequantized_call(_conv)
+
+
+@implements(aten.convolution.default)
+def _aten_convolution(func, args, kwargs):
+    return dequantize_fallback(func, args, kwargs, quiet=True)
 
 
 @implements(aten.bmm.default)

@@ -353,6 +353,21 @@ def _mutated_positions(func):
     return out
 
 
+def _companion_dtype(args, kwargs):
+    """dtype of the first plain float tensor among the arguments (so that ops that insist on one
+    dtype, such as convolutions, get matching operands); None = the logical dtype."""
+    found = []
+
+    def visit(a):
+        if (not found and isinstance(a, torch.Tensor) and not isinstance(a, QuantizedTensor)
+                and a.dtype.is_floating_point and a.dtype.itemsize >= 2):
+            found.append(a.dtype)
+        return a
+
+    tree_map(visit, (args, kwargs))
+    return found[0] if found else None
+
+
 def dequantize_fallback(func, args, kwargs, quiet: bool = False):
     """Run ``func`` on dequantized copies of every QuantizedTensor argument.
 
@@ -364,8 +379,10 @@ def dequantize_fallback(func, args, kwargs, quiet: bool = False):
                  "QuantizedTensor has no quantized kernel for %s; running it on the dequantized "
                  "tensor instead (slower; logged once per op)", func)
 
+    dtype = _companion_dtype(args, kwargs)
+
     def deq(a):
-        return a.dequantize() if isinstance(a, QuantizedTensor) else a
+        return a.dequantize(dtype) if isinstance(a, QuantizedTensor) else a
 
     dargs, dkwargs = tree_map(deq, args), tree_map(deq, kwargs)
     out = func(*dargs, **dkwargs)

@@ -231,3 +231,16 @@ def test_storage_questions_describe_the_fp8_data():
     assert qt.element_size() == 1 and qt.nelement() * qt.element_size() == qt.qdata.nbytes
     assert qt.data_ptr() == qt.qdata.data_ptr() and qt.data_ptr() != 0
     assert qt.is_contiguous() and not qt.is_pinned()
+
+
+def test_convolution_weights_dequantize_into_the_input_dtype(caplog):
+    reset_log_once()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 4, 3, 3, generator=g) * 0.1
+    qt = QuantizedTensor.from_float(w.to(torch.bfloat16), PerTensor())  # 4-D: per-tensor only
+    x = torch.randn(2, 4, 10, 10, generator=g, dtype=torch.float32)
+    ref = F.conv2d(x, qt.dequantize(torch.float32), padding=1)
+    assert torch.equal(F.conv2d(x, qt, padding=1), ref)
+    with torch._C.DisableTorchFunctionSubclass():  # the aten level
+        assert torch.equal(F.conv2d(x, qt, padding=1), ref)
+    assert not _fallback_logs(caplog)
