@@ -4,7 +4,8 @@
    ``empty_like``, transposes, views where the layout allows, pinning, size checks;
 2. matmul-like ops, routed to :func:`linear.linear`: ``F.linear`` / ``matmul`` / ``mm`` /
    ``addmm`` at the torch-function level (whole op, any input rank, autograd sees plain
-   tensors) and ``aten.linear`` / ``mm`` / ``addmm`` / ``matmul`` / ``bmm`` at the aten level;
+   tensors) and ``aten.linear`` / ``mm`` / ``addmm`` / ``matmul`` at the aten level; ``bmm`` and
+   convolutions run weight-only (dequantized into the input's dtype, quietly);
 3. anything else: ``tensor.dequantize_fallback`` (logged once per op).
 """
 
