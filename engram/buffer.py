@@ -208,6 +208,7 @@ class LocalEngramBuffer:
             self._all_rows = unified[:span].view(self._table_word).view(span // layout.row_bytes, self._row_words)
             self._seg_rows = stride // layout.row_bytes
             self._zero_row = layout.zero_row_offset // layout.row_bytes
+            self._index_dtype = torch.int32 if span // min(layout.row_bytes, layout.sf_row_bytes or layout.row_bytes) < 2**31 - 1 else torch.int64
             if self.use_fp8:
                 self._all_sfs = unified[:span].view(self._sf_word).view(span // layout.sf_row_bytes, self._sf_words)
                 self._seg_sf_rows = stride // layout.sf_row_bytes
@@ -338,7 +339,9 @@ class LocalEngramBuffer:
     def _gather_unified(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
         # Row r of rank p's shard is row p * seg_rows + offset + r of the single view over all shards.
         n = self.num_entries_per_layer[layer]
-        ids = ids.to(torch.int64)
+        # int32 arithmetic when every row number fits (it does for any table that fits in memory):
+        # no widening pass, half the index traffic; wrapped values of invalid ids are masked below.
+        ids = ids.to(self._index_dtype)
         valid = (ids >= 0) & (ids < self.num_ranks * n)
         base = self.layout.table_offsets[layer] // self.layout.row_bytes
         owner = torch.div(ids, n, rounding_mode="floor") if self.num_ranks > 1 else None
