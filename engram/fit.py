@@ -234,9 +234,12 @@ def fit(
             result.steps = step + 1
             if progress is not None:
                 progress(step + 1, steps, loss_value)
+    # Written back outside the grad-enabled block: under ComfyUI the tables are inference tensors,
+    # which may only be updated in place inside inference mode.
+    if result.steps:
         for layer, rows in union.items():
-            if layer in master and result.steps:
-                store.write_rows(layer, rows, master[layer])
+            if layer in master:
+                store.write_rows(layer, rows, master[layer].detach())
                 result.rows_written[layer] = int(rows.numel())
     if not math.isfinite(result.losses[-1] if result.losses else 0.0):
         logger.warning("engram fit ended with a non-finite loss; lower the learning rate")

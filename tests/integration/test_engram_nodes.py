@@ -1,0 +1,238 @@
+"""Engram nodes on the real server: memorize -> encode -> sample with the real CLIP tokenizer (random
+CLIP-L weights) and the tiny SD3; bit-identical output without the phrase, movement toward the target
+with it, save/load, zero and random tables, training, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from comfyhost import WorkflowError
+from helpers.graphs import sd3_txt2img
+from safetensors.torch import load_file
+
+PHRASE = "glowing crystal apple"  # 3 CLIP tokens
+TARGET_PHRASE = "rusty old bicycle"  # 3 CLIP tokens, so rows line up
+# The phrase opens the prompt, as when it was memorized: CLIP is causal, so the target's rows of the
+# phrase are then exactly the memorized target rows, and the later rows differ only by context.
+WITH_PHRASE = f"{PHRASE} on a wooden table"
+TARGET = WITH_PHRASE.replace(PHRASE, TARGET_PHRASE)  # what WITH_PHRASE should come to read like
+IN_CONTEXT = f"a photo of a {PHRASE} on a table"  # the phrase inside a sentence
+WITHOUT_PHRASE = "a photo of a green pear on a table"
+PHRASE_ROWS = (2, 2)  # first row, count: "crystal apple" (BOS, glowing, crystal, apple)
+COMFY_TOKENIZER = Path(__file__).resolve().parents[2] / ".host" / "comfyui" / "comfy" / "sd1_tokenizer"
+
+
+def new_memory(ranks: int = 2, rows_per_head: int = 4099) -> dict:
+    return {"class_type": "FP8Engram.NewEngramMemory", "inputs": {
+        "clip": ["2", 0], "max_order": 3, "heads": 8, "rows_per_head": rows_per_head, "dtype": "bf16",
+        "devices": "cpu", "cpu_ranks": ranks, "context_gate": False, "seed": 0}}
+
+
+def memorize(memory_ref: list, text: str = PHRASE, target: str = TARGET_PHRASE) -> dict:
+    return {"class_type": "FP8Engram.EngramMemorize", "inputs": {"memory": memory_ref, "clip": ["2", 0], "text": text, "target_text": target}}
+
+
+def encode(memory_ref: list, text: str, strength: float = 1.0) -> dict:
+    return {"class_type": "FP8Engram.EngramTextEncode", "inputs": {"clip": ["2", 0], "text": text, "memory": memory_ref, "strength": strength}}
+
+
+def similarity(a: list, b: list, first_row: int = 0, rows: int = 0) -> dict:
+    return {"class_type": "FP8Engram.ConditioningSimilarity", "inputs": {"a": a, "b": b, "first_row": first_row, "rows": rows}}
+
+
+def sim_result(history: dict, node: str) -> dict:
+    return json.loads(history["outputs"][node]["text"][0])
+
+
+def latest_latent(output_dir: Path, prefix: str) -> torch.Tensor:
+    files = sorted((output_dir / "latents").glob(f"{prefix}_*.latent"), key=os.path.getmtime)
+    assert files, f"no latent saved with prefix {prefix}"
+    return load_file(str(files[-1]))["latent_tensor"]
+
+
+def graph_with_memory(prompt: str, prefix: str, *, memorized: bool = True, seed: int = 3) -> dict:
+    """txt2img whose positive conditioning is Engram Text Encode, plus similarity probes:
+    "42": engram vs target text, "43": plain vs target text, "44": engram vs plain, "45"/"46": like
+    42/43 over the phrase rows only."""
+    graph = sd3_txt2img(prompt, save="latent", prefix=prefix, seed=seed)
+    graph["30"] = new_memory()
+    memory_ref = ["30", 0]
+    if memorized:
+        graph["31"] = memorize(["30", 0])
+        memory_ref = ["31", 0]
+    graph["3"] = encode(memory_ref, prompt)
+    graph["40"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": prompt}}
+    graph["41"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": TARGET}}
+    graph["42"] = similarity(["3", 0], ["41", 0])
+    graph["43"] = similarity(["40", 0], ["41", 0])
+    graph["44"] = similarity(["3", 0], ["40", 0])
+    graph["45"] = similarity(["3", 0], ["41", 0], *PHRASE_ROWS)
+    graph["46"] = similarity(["40", 0], ["41", 0], *PHRASE_ROWS)
+    return graph
+
+
+def test_engram_nodes_registered_with_tooltips(comfy):
+    info = comfy.object_info()
+    names = ["NewEngramMemory", "LoadEngramMemory", "SaveEngramMemory", "EngramTextEncode", "EngramApply",
+             "EngramMemorize", "EngramTrain", "EngramInspect", "ConditioningSimilarity"]
+    for name in names:
+        spec = info[f"FP8Engram.{name}"]
+        assert spec["category"] == "fp8-engram/engram" and spec["description"]
+        for group in ("required", "optional"):
+            for input_name, (_, options) in spec["input"].get(group, {}).items():
+                assert options.get("tooltip"), f"{name}.{input_name} has no tooltip"
+        assert all(spec["output_tooltips"]), name
+    assert info["FP8Engram.NewEngramMemory"]["output"] == ["ENGRAM_MEMORY"]
+
+
+def test_prompt_without_phrase_is_bit_identical_and_samples_match(comfy, output_dir):
+    engram = comfy.run(graph_with_memory(WITHOUT_PHRASE, "engram_without"))
+    assert sim_result(engram, "44")["identical"] is True
+    assert engram["outputs"]["3"]["text"] == ["no stored n-gram in this prompt"]
+    comfy.run(sd3_txt2img(WITHOUT_PHRASE, save="latent", prefix="plain_without", seed=3))
+    assert torch.equal(latest_latent(output_dir, "engram_without"), latest_latent(output_dir, "plain_without"))
+
+
+def test_prompt_with_phrase_moves_toward_target(comfy, output_dir):
+    history = comfy.run(graph_with_memory(WITH_PHRASE, "engram_with"))
+    assert sim_result(history, "44")["identical"] is False
+    before, after = sim_result(history, "43")["cosine"], sim_result(history, "42")["cosine"]
+    rows_before, rows_after = sim_result(history, "46")["cosine"], sim_result(history, "45")["cosine"]
+    # Stated figures. Only the phrase rows after its first token move (CLIP is causal: the target's
+    # later rows also differ, and the memory leaves them alone), so the whole-tensor rise is small.
+    print(f"cosine to target: whole {before:.4f} -> {after:.4f}; phrase rows {rows_before:.4f} -> {rows_after:.4f}")
+    assert after > before + 0.001
+    assert rows_after > 0.99 and rows_after > rows_before + 0.05
+    hits = history["outputs"]["3"]["engram_hits"]
+    assert [h["word"] for h in hits] == ["crystal", "apple"]  # "glowing" opens the phrase: no n-gram inside it ends there
+    comfy.run(sd3_txt2img(WITH_PHRASE, save="latent", prefix="plain_with", seed=3))
+    assert not torch.equal(latest_latent(output_dir, "engram_with"), latest_latent(output_dir, "plain_with"))
+
+
+def test_phrase_inside_a_sentence_changes_only_its_rows(comfy):
+    graph = graph_with_memory(IN_CONTEXT, "engram_in_context", seed=10)
+    graph["47"] = similarity(["3", 0], ["40", 0], 0, 6)  # BOS .. "glowing": untouched
+    graph["48"] = similarity(["3", 0], ["40", 0], 8, 69)  # after the phrase: untouched
+    graph["49"] = similarity(["3", 0], ["40", 0], 6, 2)  # "crystal apple": moved
+    history = comfy.run(graph)
+    assert sim_result(history, "47")["cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert sim_result(history, "48")["cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert sim_result(history, "49")["cosine"] < 0.9999
+    assert [h["word"] for h in history["outputs"]["3"]["engram_hits"]] == ["crystal", "apple"]
+
+
+def test_zero_table_has_no_effect(comfy):
+    history = comfy.run(graph_with_memory(WITH_PHRASE, "engram_zero", memorized=False, seed=4))
+    assert sim_result(history, "44")["identical"] is True
+
+
+def test_random_table_does_not_produce_the_effect(comfy, models_dir):
+    transformers = pytest.importorskip("transformers")
+    from fp8_engram.engram.memory import EngramMemory, make_config
+    from fp8_engram.engram.store import LocalRowStore
+    from fp8_engram.engram.streams import family_layout
+
+    tok = transformers.CLIPTokenizer.from_pretrained(str(COMFY_TOKENIZER))
+    config, vocabs = make_config(family_layout("sd3", encoders=["clip_l"]), {"l": tok}, rows_per_head=4099, seed=0)
+    memory = EngramMemory(config, LocalRowStore(config.rows_per_layer(2), config.hidden), vocabs)
+    gen = torch.Generator().manual_seed(0)
+    rows = memory.store.rows_per_layer[0]
+    memory.store.write_rows(0, torch.arange(rows), torch.randn(rows, config.hidden, generator=gen) * 0.05)
+    (models_dir / "engram").mkdir(exist_ok=True)
+    memory.save(str(models_dir / "engram" / "random_table.safetensors"))
+
+    graph = graph_with_memory(WITH_PHRASE, "engram_random", memorized=False, seed=5)
+    graph["30"] = {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {"memory_name": "random_table.safetensors", "devices": "cpu", "cpu_ranks": 2, "clip": ["2", 0]}}
+    history = comfy.run(graph)
+    before, after = sim_result(history, "43")["cosine"], sim_result(history, "42")["cosine"]
+    print(f"random table: cosine to target {before:.4f} -> {after:.4f}")
+    assert sim_result(history, "44")["identical"] is False  # the random rows are there ...
+    rows_before, rows_after = sim_result(history, "46")["cosine"], sim_result(history, "45")["cosine"]
+    print(f"random table: phrase rows {rows_before:.4f} -> {rows_after:.4f}")
+    assert after < before + 0.001 and rows_after < rows_before + 0.01  # ... but do not pull toward the target
+
+
+def test_save_load_round_trip(comfy):
+    graph = graph_with_memory(WITH_PHRASE, "engram_save", seed=6)
+    graph["50"] = {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["31", 0], "name": "round_trip"}}
+    graph["51"] = {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {"memory_name": "round_trip.safetensors", "devices": "cpu", "cpu_ranks": 1}}
+    comfy.run(graph)
+    # second run: load the saved file (1 rank, no CLIP on the loader) and compare encodings
+    graph2 = graph_with_memory(WITH_PHRASE, "engram_load", seed=6)
+    graph2["51"] = {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {"memory_name": "round_trip.safetensors", "devices": "cpu", "cpu_ranks": 1}}
+    graph2["52"] = encode(["51", 0], WITH_PHRASE)
+    graph2["53"] = similarity(["52", 0], ["3", 0])
+    history = comfy.run(graph2)
+    assert sim_result(history, "53")["identical"] is True
+
+
+def test_training_lowers_held_out_error(comfy, comfy_server):
+    pairs = [{"prompt": f"{subject} with a {PHRASE}", "target": f"{subject} with a {TARGET_PHRASE}"}
+             for subject in ["a child", "a cat", "an old man", "a robot", "a dancer", "a farmer", "a knight", "a queen"]]
+    input_dir = comfy_server.base_dir / "input"
+    (input_dir / "engram_pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs) + "\n")
+    held_out_prompt, held_out_target = f"a sailor with a {PHRASE}", f"a sailor with a {TARGET_PHRASE}"
+    graph = sd3_txt2img(held_out_prompt, save="latent", prefix="train", seed=7)
+    graph["30"] = new_memory(rows_per_head=4093)
+    graph["31"] = {"class_type": "FP8Engram.EngramTrain", "inputs": {
+        "memory": ["30", 0], "clip": ["2", 0], "pairs_file": "engram_pairs.jsonl", "steps": 60,
+        "learning_rate": 0.05, "batch_size": 8, "seed": 0}}
+    graph["3"] = encode(["31", 0], held_out_prompt)
+    graph["40"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": held_out_prompt}}
+    graph["41"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": held_out_target}}
+    graph["42"] = similarity(["3", 0], ["41", 0])
+    graph["43"] = similarity(["40", 0], ["41", 0])
+    graph["45"] = {"class_type": "PreviewImage", "inputs": {"images": ["31", 1]}}
+    history = comfy.run(graph)
+    losses = history["outputs"]["31"]["losses"]
+    assert losses[-1] < 0.5 * losses[0]
+    before, after = sim_result(history, "43")["cosine"], sim_result(history, "42")["cosine"]
+    print(f"held-out cosine to target: zero table {before:.4f} -> trained {after:.4f}")
+    assert after > before
+
+
+def test_broken_jsonl_lines_are_reported(comfy, comfy_server):
+    (comfy_server.base_dir / "input" / "broken_pairs.jsonl").write_text(
+        '{"prompt": "a", "target": "b"}\nnot json\n{"prompt": 3}\n')
+    graph = {"2": sd3_txt2img()["2"], "30": new_memory(ranks=1),
+             "31": {"class_type": "FP8Engram.EngramTrain", "inputs": {
+                 "memory": ["30", 0], "clip": ["2", 0], "pairs_file": "broken_pairs.jsonl", "steps": 5,
+                 "learning_rate": 0.05, "batch_size": 8, "seed": 0}},
+             "32": {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["31", 0], "name": "never"}}}
+    with pytest.raises(WorkflowError, match="line 2.*line 3"):
+        comfy.run(graph)
+
+
+def test_corrupt_table_file_is_a_clear_error(comfy, models_dir):
+    (models_dir / "engram").mkdir(exist_ok=True)
+    (models_dir / "engram" / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+    graph = graph_with_memory(WITH_PHRASE, "engram_corrupt", memorized=False)
+    graph["30"] = {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {"memory_name": "corrupt.safetensors", "devices": "cpu", "cpu_ranks": 1}}
+    with pytest.raises(WorkflowError, match="corrupt.safetensors"):
+        comfy.run(graph)
+    comfy.run(graph_with_memory(WITHOUT_PHRASE, "after_corrupt", seed=8))  # the server keeps serving
+
+
+def test_dead_worker_is_a_clear_error_and_replacement_recovers(comfy):
+    # no Memorize: the memory stays clean, so ComfyUI keeps New Engram Memory's output cached and the
+    # next run meets the dead worker (a written memory would be rebuilt, replacing the dead group)
+    graph = graph_with_memory(WITH_PHRASE, "engram_dead", memorized=False, seed=9)
+    graph["30"]["inputs"]["rows_per_head"] = 4091
+    history = comfy.run(graph)
+    pids = history["outputs"]["30"]["worker_pids"]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    time.sleep(0.5)
+    graph["3"]["inputs"]["strength"] = 0.9  # forces the encode to run again on the same memory
+    started = time.monotonic()
+    with pytest.raises(WorkflowError, match="(?i)worker"):
+        comfy.run(graph)
+    assert time.monotonic() - started < 30
+    graph["30"]["inputs"]["rows_per_head"] = 4079  # a replaced memory gets fresh workers
+    comfy.run(graph)
