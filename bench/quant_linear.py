@@ -74,6 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     device = args.device
     repeats = args.repeats or (3 if device == "cpu" else 20)
+    load_before = os.getloadavg()[0]
 
     if args.quick:
         shapes = [("square", 256, 512, 512), ("flux-mlp-up", 128, 384, 1536)]
@@ -88,7 +89,7 @@ def main() -> None:
     quant_ops = load_comfy_quant_ops(device)
     fp8_units = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
-          f"repeats={repeats} comfyui={'yes' if quant_ops else 'absent'} fp8_units={fp8_units}")
+          f"repeats={repeats} loadavg={load_before:.2f} comfyui={'yes' if quant_ops else 'absent'} fp8_units={fp8_units}")
 
     header = f"{'shape':14s} {'tokens':>6s} {'in':>6s} {'out':>6s} {'variant':22s} {'best ms':>9s} {'median ms':>10s} {'vs bf16':>8s}"
     print(header)
@@ -118,7 +119,10 @@ def main() -> None:
             if quant_ops is not None:  # same FP8 data, so the outputs must agree exactly
                 ours_out, comfy_out = F.linear(x, ours_pt), F.linear(x, cq)
                 assert torch.equal(ours_out, comfy_out), "ours and ComfyUI disagree"
-            times = time_round_robin(fns, repeats, device)
+            # the big CPU cases take seconds per call; the others get more rounds against noise
+            n = repeats if device != "cpu" or args.repeats or tokens * in_f * out_f > 1e11 \
+                else repeats + 2
+            times = time_round_robin(fns, n, device)
         base_best = min(times["bf16 F.linear"])
         row = {"shape": name, "tokens": tokens, "in": in_f, "out": out_f}
         for variant, ts in times.items():
@@ -143,7 +147,9 @@ def main() -> None:
         del w, x, ours_pt, fns
 
     summary = {"bench": "quant_linear", "device": device, "threads": torch.get_num_threads(),
-               "repeats": repeats, "comfyui": quant_ops is not None, "fp8_units": fp8_units,
+               "repeats": repeats, "loadavg_1min": [round(load_before, 2),
+                                                    round(os.getloadavg()[0], 2)],
+               "comfyui": quant_ops is not None, "fp8_units": fp8_units,
                "statistic": "ratio of best-of-N times (interleaved)",
                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                "cases": results}
