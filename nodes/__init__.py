@@ -18,7 +18,7 @@ PACK = "fp8-engram"
 NODE_ID_PREFIX = "FP8Engram."
 CATEGORY = "fp8-engram"
 
-_NODE_MODULES = ("basic", "fp8")
+_NODE_MODULES = ("basic", "fp8", "engram")
 
 
 def _collect_nodes() -> list[type[io.ComfyNode]]:
