@@ -225,11 +225,16 @@ class EngramMemory:
         """(placed streams, memory values v per stream float32 [n, width], fetched rows per stream)."""
         placed = self.place(tokens)
         idx = self.indices(placed)
+        # Fetch only the rows of tokens that have an entry in some layer (BOS/EOS/padding are most of a
+        # 77-token chunk), then put them back in place.
+        live = (idx >= 0).any(dim=2).any(dim=0).nonzero().reshape(-1)
         with self._lock:
-            fetched = self.store.fetch_rows(idx)
+            fetched = self.store.fetch_rows(idx.index_select(1, live).contiguous())
         values, per_stream = [], []
         for layer, p in enumerate(placed):
-            rows = fetched[layer][p.rows]
+            rows = torch.zeros(idx.shape[1], idx.shape[2], self.store.hidden, dtype=torch.float32)
+            rows[live] = fetched[layer].to(rows.device)
+            rows = rows[p.rows]
             per_stream.append(rows)
             values.append(combine(rows, p.stream.width))
         return placed, values, per_stream
