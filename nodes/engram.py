@@ -164,7 +164,7 @@ class NewEngramMemory(io.ComfyNode):
                 io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip="auto: one shard per GPU (CPU processes when there is no GPU); cpu: cpu_ranks CPU processes."),
                 io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip="CPU processes holding the shards when no GPU is used (1 = in the ComfyUI process)."),
                 io.Boolean.Input("context_gate", default=False, tooltip="Scale each token's memory value by how well it agrees with the token's conditioning."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, tooltip="Seed of the hash multipliers (a memory is only valid with its seed)."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False, tooltip="Seed of the hash multipliers (a memory is only valid with its seed)."),
             ],
             outputs=[EngramMemoryType.Output(display_name="memory", tooltip="The empty engram memory.")],
             hidden=[io.Hidden.unique_id],
@@ -300,23 +300,25 @@ class SaveEngramMemory(io.ComfyNode):
 
 
 def _hit_report(memory: EngramMemory, tokens: dict, clip=None) -> dict:
-    """UI data: the hit words and how strongly (for the frontend to highlight)."""
-    hits = memory.hits(tokens)
-    words = []
-    decode = None
-    for key, tok in (_clip_tokenizers(clip).items() if clip is not None else []):
-        decode = decode or {}
-        decode[key] = tok
-    by_stream = {s.name: s.token_key for s in memory.config.layout.streams}
-    for h in hits:
-        if not h.entries_hit:
-            continue
-        text = str(h.token_id)
-        tok = (decode or {}).get(by_stream[h.stream])
-        if tok is not None:
-            text = tok.decode([h.token_id]).strip()
-        words.append({"stream": h.stream, "row": h.row, "word": text, "entries_hit": h.entries_hit, "entries": h.entries, "strength": round(h.norm, 4)})
-    return {"engram_hits": words, "text": [", ".join(f"{w['word']} ({w['entries_hit']}/{w['entries']})" for w in words) or "no stored n-gram in this prompt"]}
+    """UI data for the frontend: per stream, every word of the prompt, whether it hit written rows, and
+    how strongly (norm of the memory value added to it):
+    `engram_hits = [{stream, tokens: [{text, hit, strength, entries_hit, entries, row}]}]`."""
+    decoders = _clip_tokenizers(clip) if clip is not None else {}
+    token_key = {s.name: s.token_key for s in memory.config.layout.streams}
+    streams: dict[str, list[dict]] = {}
+    for h in memory.hits(tokens):
+        tok = decoders.get(token_key[h.stream])
+        text = tok.decode([h.token_id]).strip() if tok is not None else str(h.token_id)
+        streams.setdefault(h.stream, []).append({
+            "text": text, "hit": h.entries_hit > 0, "strength": round(h.norm, 4),
+            "entries_hit": h.entries_hit, "entries": h.entries, "row": h.row,
+        })
+    hit_words = [t for entries in streams.values() for t in entries if t["hit"]]
+    summary = ", ".join(f"{t['text']} ({t['entries_hit']}/{t['entries']})" for t in hit_words)
+    return {
+        "engram_hits": [{"stream": name, "tokens": entries} for name, entries in streams.items()],
+        "text": [summary or "no stored n-gram in this prompt"],
+    }
 
 
 def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dict, strength: float) -> list:
@@ -498,7 +500,7 @@ class EngramTrain(io.ComfyNode):
                 io.Int.Input("steps", default=200, min=1, max=100000, tooltip="Optimizer steps."),
                 io.Float.Input("learning_rate", default=0.05, min=1e-5, max=10.0, step=0.001, tooltip="Adam learning rate."),
                 io.Int.Input("batch_size", default=16, min=1, max=4096, tooltip="Pairs per step."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, tooltip="Seed of the pair order."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False, tooltip="Seed of the pair order."),
             ],
             outputs=[
                 EngramMemoryType.Output(display_name="memory", tooltip="The trained memory."),
