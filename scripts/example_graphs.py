@@ -74,6 +74,18 @@ def _clip() -> dict:
     return {"class_type": "CLIPLoader", "inputs": {"clip_name": CLIP_L, "type": "sd3"}}
 
 
+def _fp8_model_and_clip() -> dict:
+    """The FP8 diffusion model through the pack's loader, its weight report, and the CLIP."""
+    return {
+        "unet": {
+            "class_type": "FP8Engram.LoadFP8DiffusionModel",
+            "inputs": {"unet_name": UNET_FP8, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"},
+        },
+        "clip": _clip(),
+        "report": {"class_type": "FP8Engram.WeightReport", "inputs": {"model": ["unet", 0]}},
+    }
+
+
 def _new_memory(clip: list) -> dict:
     return {
         "class_type": "FP8Engram.NewEngramMemory",
@@ -87,12 +99,7 @@ def _new_memory(clip: list) -> dict:
 def fp8_load_and_sample(prompt: str = PROMPT, seed: int = 7) -> dict:
     """Load an FP8 diffusion model (any published format), show what was loaded, sample."""
     graph = {
-        "unet": {
-            "class_type": "FP8Engram.LoadFP8DiffusionModel",
-            "inputs": {"unet_name": UNET_FP8, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"},
-        },
-        "clip": _clip(),
-        "report": {"class_type": "FP8Engram.WeightReport", "inputs": {"model": ["unet", 0]}},
+        **_fp8_model_and_clip(),
         "positive": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": prompt}},
     }
     return _sample(graph, ["unet", 0], ["positive", 0], ["clip", 0], "fp8_load", seed)
@@ -117,12 +124,7 @@ def fp8_quantize_and_save(prompt: str = PROMPT, seed: int = 7) -> dict:
 def engram_memorize_and_use(prompt: str = PROMPT, seed: int = 42) -> dict:
     """The demo: FP8 model + a new engram memory on 2 CPU workers that memorizes a phrase and steers the prompt."""
     graph = {
-        "unet": {
-            "class_type": "FP8Engram.LoadFP8DiffusionModel",
-            "inputs": {"unet_name": UNET_FP8, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"},
-        },
-        "clip": _clip(),
-        "report": {"class_type": "FP8Engram.WeightReport", "inputs": {"model": ["unet", 0]}},
+        **_fp8_model_and_clip(),
         "memory": _new_memory(["clip", 0]),
         "memorize": {
             "class_type": "FP8Engram.EngramMemorize",
