@@ -14,6 +14,8 @@ Layouts (frozen dataclasses, so they can be shared, hashed and pickled safely):
 from __future__ import annotations
 
 import math
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,8 @@ __all__ = [
     "Block",
     "Layout",
     "fp8_to",
+    "workspace",
+    "release_workspace",
 ]
 
 
@@ -60,46 +64,101 @@ def check_fp8_dtype(dtype, what: str = "fp8_dtype") -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 # On the CPU, torch converts FP8 element by element in scalar code. A 65536-entry table that maps
-# each PAIR of FP8 bytes straight to two 16-bit results (scale already applied) turns the whole
+# each PAIR of FP8 bytes straight to two results (scale already applied) turns the whole
 # dequantization into one gather, with the same rounding as "convert, then multiply in float32".
-# Building the table costs ~0.1 ms, so small tensors take the plain conversion.
+# 16-bit results pair up into an int32 table (256 KiB), float32 results into an int64 table
+# (512 KiB). Building a table costs ~0.1 ms, so small tensors take the plain conversion.
 _PAIR_LUT_MIN_NUMEL = 1 << 20
+_PAIR_WORD = {torch.bfloat16: (torch.int16, torch.int32, 16, 0xFFFF),
+              torch.float16: (torch.int16, torch.int32, 16, 0xFFFF),
+              torch.float32: (torch.int32, torch.int64, 32, 0xFFFFFFFF)}
+
+# Per-thread reusable CPU buffers for temporaries that never outlive one call (the gather indices,
+# and the weight-only path's dequantized weight). Large fresh allocations are handed out by the
+# C library as new zero-filled pages each time, so a model that dequantizes gigabytes per step
+# spends more time in page faults than in the conversion itself; a buffer that stays mapped does not.
+_workspace = threading.local()
+
+
+def workspace(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat CPU tensor of ``numel`` elements from this thread's reusable buffer ``slot``.
+
+    Its contents are undefined and it is overwritten by the next caller of the same slot and dtype,
+    so it must never be returned to a caller or saved for backward. Always a normal (non-inference)
+    tensor, so it can be written under and outside ``inference_mode`` alike.
+    """
+    bufs = getattr(_workspace, "bufs", None)
+    if bufs is None:
+        bufs = _workspace.bufs = {}
+    buf = bufs.get((slot, dtype))
+    if buf is None or buf.numel() < numel:
+        bufs.pop((slot, dtype), None)  # free the old one before allocating the larger one
+        with torch.inference_mode(False), torch.no_grad():
+            buf = torch.empty(numel, dtype=dtype)
+        bufs[(slot, dtype)] = buf
+    return buf[:numel]
+
+
+def release_workspace() -> None:
+    """Free this thread's reusable buffers (they are re-made on demand)."""
+    _workspace.bufs = {}
 
 
 def _all_codes(fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype)
 
 
-def _cpu_pair_lut(q: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+def _cpu_pair_lut(q: torch.Tensor, dtype: torch.dtype, scale, out=None) -> torch.Tensor:
+    half, word, shift, mask = _PAIR_WORD[dtype]
     values = _all_codes(q.dtype).to(torch.float32)
     if scale is not None:
         values = values * scale.to(torch.float32)
-    bits = values.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+    bits = values.to(dtype).view(half).to(word) & mask
     # entry (hi << 8 | lo) holds bits[lo] in the low half (first byte, little endian), bits[hi] high
-    table = ((bits << 16)[:, None] | bits[None, :]).reshape(-1)
-    idx = q.reshape(-1).view(torch.int16).view(torch.uint16).to(torch.int32)
-    return table.index_select(0, idx).view(dtype).view(q.shape)
+    table = ((bits << shift)[:, None] | bits[None, :]).reshape(-1)
+    pairs = q.reshape(-1).view(torch.int16).view(torch.uint16)
+    idx = workspace("pair_lut_index", pairs.numel(), torch.int32)
+    idx.copy_(pairs)
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype)
+    torch.index_select(table, 0, idx, out=out.view(-1).view(word))
+    return out
 
 
-def fp8_to(q: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """FP8 ``q`` -> a new ``dtype`` tensor, times an optional scalar float32 ``scale``.
+def fp8_to(q: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 ``q`` -> a ``dtype`` tensor, times an optional scalar float32 ``scale``.
 
     The product is formed in float32 and rounded once into ``dtype`` (the same bits as
-    ``q.to(dtype).mul_(scale)`` on the CPU, which is what ComfyUI 0.3.75 does).
+    ``q.to(dtype).mul_(scale)`` on the CPU, which is what ComfyUI 0.3.75 does). ``out``: an
+    optional contiguous tensor of q's shape and ``dtype`` to write into (returned).
     """
     if scale is not None and scale.numel() != 1:
         raise QuantizationError(f"fp8_to takes a scalar scale, got shape {list(scale.shape)}")
+    if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(q.shape)
+                            or not out.is_contiguous() or out.device != q.device):
+        raise QuantizationError(
+            f"fp8_to: out must be a contiguous {dtype} tensor of shape {list(q.shape)} on "
+            f"{q.device}, got {out.dtype} {list(out.shape)} on {out.device}"
+        )
     if (
         q.device.type == "cpu"
-        and dtype in (torch.bfloat16, torch.float16)
+        and dtype in _PAIR_WORD
         and q.numel() >= _PAIR_LUT_MIN_NUMEL
         and q.numel() % 2 == 0
         and q.is_contiguous()
+        and sys.byteorder == "little"
     ):
-        return _cpu_pair_lut(q, dtype, None if scale is None else scale.reshape(()))
-    out = q.to(dtype)
+        return _cpu_pair_lut(q, dtype, None if scale is None else scale.reshape(()), out)
+    if out is None:
+        out = q.to(dtype)
+    else:
+        out.copy_(q)
     if scale is not None:
-        out.mul_(scale.reshape(()))
+        if dtype == torch.float32 or dtype == torch.float64:
+            out.mul_(scale.reshape(()).to(dtype))
+        else:
+            out.mul_(scale.reshape(()))
     return out
 
 
@@ -162,8 +221,9 @@ class PerTensor:
         scale = _safe_scale(w.abs().amax(), fmax)
         return _to_fp8(w.to(torch.float32) / scale, fp8_dtype, generator), scale
 
-    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return fp8_to(q, dtype, scale)
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_to(q, dtype, scale, out)
 
 
 @dataclass(frozen=True)
@@ -191,8 +251,9 @@ class PerRow:
         scale = _safe_scale(w.abs().amax(dim=1, keepdim=True), fmax)
         return _to_fp8(w.to(torch.float32) / scale, fp8_dtype, generator), scale
 
-    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return _mul_scale(fp8_to(q, dtype), scale, dtype)
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        return _mul_scale(fp8_to(q, dtype, None, out), scale, dtype)
 
 
 @dataclass(frozen=True)
@@ -244,9 +305,10 @@ class Block:
         scaled = scaled[:out, :inp].contiguous()
         return _to_fp8(scaled, fp8_dtype, generator), scale
 
-    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        w = fp8_to(q, dtype, None, out)
         out, inp = q.shape
-        w = fp8_to(q, dtype)
         if out % self.rows == 0 and inp % self.cols == 0:
             view = w.view(out // self.rows, self.rows, inp // self.cols, self.cols)
             _mul_scale(view, scale[:, None, :, None], dtype)

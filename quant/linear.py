@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DEFAULT_CONFIG, ComputeConfig
-from .layouts import Block, PerRow, PerTensor, QuantizationError, _safe_scale, fp8_max
+from .layouts import Block, PerRow, PerTensor, QuantizationError, _safe_scale, fp8_max, workspace
 from .tensor import QuantizedTensor, log_once
 
 logger = logging.getLogger(__name__)
@@ -126,12 +126,25 @@ class _Fp8LinearWithGrad(torch.autograd.Function):
         return grad_out @ wd, None, None, None
 
 
+def _dequantized_weight(x, w: QuantizedTensor, bias, cdt) -> torch.Tensor:
+    """W in ``cdt`` for one weight-only product. On the CPU, when autograd will not keep the
+    weight, it goes into this thread's reusable buffer instead of fresh memory: a model that
+    dequantizes every layer on every step otherwise pays for its whole full-precision size in
+    page faults per step (see ``layouts.workspace``). The buffer is dead once F.linear returns."""
+    keeps_weight = torch.is_grad_enabled() and (
+        x.requires_grad or (bias is not None and bias.requires_grad))
+    if w.qdata.device.type != "cpu" or keeps_weight or w.transposed:
+        return w.dequantize(cdt)
+    buf = workspace("weight_only", w.qdata.numel(), cdt).view(w.qdata.shape)
+    return w.layout.dequantize(w.qdata, w.scale, cdt, out=buf)
+
+
 def _weight_only(x, w: QuantizedTensor, bias, cdt):
     if x.dtype != cdt:
         x = x.to(cdt)
     if bias is not None and bias.dtype != cdt:
         bias = bias.to(cdt)
-    return F.linear(x, w.dequantize(cdt), bias)
+    return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,

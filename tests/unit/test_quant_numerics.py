@@ -266,7 +266,7 @@ def test_per_tensor_dequantize_matches_comfyui_bit_for_bit(fp8, orig, numel):
     assert torch.equal(ours2.dequantize().view(torch.uint8), theirs2.view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 def test_cpu_pair_table_equals_plain_conversion_for_every_byte_pair(fp8, dtype):
     """The fast CPU dequantization (a 65536-entry table over byte pairs) must give exactly the

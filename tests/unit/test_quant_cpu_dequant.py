@@ -1,0 +1,103 @@
+"""The CPU weight-only path's memory behaviour: dequantization into caller-given buffers (the
+table path and the plain path), and the per-thread reusable buffer the weight-only linear uses so
+that a model does not pay for fresh full-precision pages on every layer of every step, without
+changing any result (inference_mode, no_grad, and autograd, which must keep its own copy)."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8_engram.quant import Block, PerRow, PerTensor, QuantizationError, QuantizedTensor
+from fp8_engram.quant import layouts
+from fp8_engram.quant import linear as qlinear
+
+pytestmark = pytest.mark.unit
+
+LAYOUTS = [PerTensor(), PerRow(), Block(128, 128), Block(1, 64)]
+
+
+def _qt(layout, out_f=1024, in_f=1024, seed=0, fp8=torch.float8_e4m3fn):
+    g = torch.Generator().manual_seed(seed)
+    return QuantizedTensor.from_float(torch.randn(out_f, in_f, generator=g) * 0.05, layout, fp8_dtype=fp8)
+
+
+@pytest.mark.parametrize("numel", [4096, 1 << 20], ids=["plain-path", "table-path"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_to_out_writes_the_same_bits_into_the_given_buffer(fp8, dtype, numel):
+    codes = torch.arange(numel, dtype=torch.int64).remainder(256).to(torch.uint8)
+    q = codes[torch.randperm(numel, generator=torch.Generator().manual_seed(1))].view(fp8).reshape(-1, 256)
+    scale = torch.tensor(3.7e-3)
+    out = torch.empty(q.shape, dtype=dtype)
+    got = layouts.fp8_to(q, dtype, scale, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, q.to(dtype).mul_(scale), rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_to_refuses_an_unfit_out_buffer():
+    q = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
+    for bad in (torch.empty(4, 8, dtype=torch.float16), torch.empty(8, 4, dtype=torch.float32),
+                torch.empty(8, 4, dtype=torch.float32).t()):
+        with pytest.raises(QuantizationError, match="out must be a contiguous"):
+            layouts.fp8_to(q, torch.float32, None, out=bad)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_weight_only_linear_reuses_one_buffer_and_matches_fresh_dequantization(layout, mode):
+    a, b = _qt(layout, seed=1), _qt(layout, seed=2)
+    x = torch.randn(3, 5, 1024, generator=torch.Generator().manual_seed(3))
+    ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with ctx:
+        ya = qlinear(x, a)
+        ptr = layouts.workspace("weight_only", a.qdata.numel(), torch.float32).data_ptr()
+        yb = qlinear(x, b)
+        assert layouts.workspace("weight_only", b.qdata.numel(), torch.float32).data_ptr() == ptr
+    # results are exact, and the first output is not disturbed by the buffer's reuse
+    assert torch.equal(ya, F.linear(x, a.dequantize(torch.float32)))
+    assert torch.equal(yb, F.linear(x, b.dequantize(torch.float32)))
+    # the buffer is a normal tensor: usable again outside inference_mode
+    assert torch.equal(qlinear(x, a), ya)
+
+
+def test_autograd_keeps_its_own_copy_of_the_weight():
+    a, b = _qt(PerRow(), seed=4), _qt(PerRow(), seed=5)
+    x = torch.randn(6, 1024, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    y = qlinear(x, a)
+    qlinear(x.detach(), b)  # would overwrite a shared buffer before the backward below
+    y.sum().backward()
+    expected = a.dequantize(torch.float64).sum(0).expand(6, -1)
+    wrong = b.dequantize(torch.float64).sum(0).expand(6, -1)
+    torch.testing.assert_close(x.grad.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(x.grad.double(), wrong, rtol=1e-2, atol=1e-2)
+
+
+def test_each_thread_has_its_own_buffer():
+    qt = _qt(PerTensor())
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(7))
+    expected = F.linear(x, qt.dequantize(torch.float32))
+    ptrs, results = {}, {}
+
+    def work(name):
+        with torch.inference_mode():
+            results[name] = qlinear(x, qt)
+        ptrs[name] = layouts.workspace("weight_only", qt.qdata.numel(), torch.float32).data_ptr()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ptrs[0] != ptrs[1]
+    assert all(torch.equal(r, expected) for r in results.values())
+
+
+def test_release_workspace_frees_the_buffers():
+    with torch.inference_mode():
+        qlinear(torch.randn(2, 1024), _qt(PerTensor()))
+    assert layouts._workspace.bufs
+    layouts.release_workspace()
+    assert layouts._workspace.bufs == {}
+    assert layouts.workspace("weight_only", 1 << 20, torch.float32).numel() == 1 << 20
