@@ -36,3 +36,22 @@ def test_weight_report_is_shown_on_the_node_after_a_run(page, artifacts_dir):
     panel.wait_for(state="attached")
     assert "as bf16" in panel.text_content()
     screenshot_node(page, "FP8Engram.WeightReport", artifacts_dir / "weight_report.png")
+
+
+def test_node_search_finds_the_pack_nodes(page, artifacts_dir):
+    """A user double-clicks the canvas and types: the pack's loaders are among the first results."""
+    page.keyboard.press("Escape")
+    canvas = page.locator("#graph-canvas")
+    box = canvas.bounding_box()
+    page.mouse.dblclick(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.85)
+    search = page.get_by_role("combobox").or_(page.locator(".comfy-vue-node-search-container input")).first
+    search.wait_for(state="visible")
+    search.fill("fp8 load")
+    results = page.locator(".comfy-vue-node-search-container, .p-autocomplete-overlay, [role='listbox']").first
+    results.wait_for(state="visible")
+    page.wait_for_timeout(500)
+    text = results.text_content()
+    page.screenshot(path=str(artifacts_dir / "node_search.png"))
+    page.keyboard.press("Escape")
+    assert "Load FP8 Diffusion Model" in text
+    assert "Load FP8 Checkpoint" in text

@@ -72,3 +72,19 @@ def test_server_keeps_serving_after_a_failed_workflow(comfy, models_dir):
         comfy.run(broken)
     history = comfy.run(sd3_txt2img(seed=5, steps=1))
     assert output_images(history, "9")
+
+
+def test_every_pack_node_is_documented_for_the_ui(comfy):
+    """Descriptions, tooltips on every input and output, and the pack's category: what node search shows."""
+    ours = {name: spec for name, spec in comfy.object_info().items() if name.startswith("FP8Engram.")}
+    assert len(ours) >= 14
+    for name, spec in ours.items():
+        assert spec["description"].strip(), f"{name} has no description"
+        assert spec["display_name"] and not spec["display_name"].startswith("FP8Engram."), name
+        assert spec["category"].startswith("fp8-engram"), name
+        for group in ("required", "optional"):
+            for input_name, input_spec in spec["input"].get(group, {}).items():
+                options = input_spec[1] if len(input_spec) > 1 else {}
+                assert options.get("tooltip"), f"{name}.{input_name} has no tooltip"
+        tooltips = spec.get("output_tooltips") or []
+        assert len(tooltips) == len(spec["output"]) and all(tooltips), f"{name} outputs lack tooltips"
