@@ -118,12 +118,16 @@ def child(loader: str, path: str) -> None:
         t_load = time.perf_counter() - t0
         comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0, disable_pbar=True)
         t_first = time.perf_counter() - t0
+        r0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
         t1 = time.perf_counter()
         comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0, disable_pbar=True)
         t_second = time.perf_counter() - t1
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+        c_second, r1 = time.process_time() - c0, resource.getrusage(resource.RUSAGE_SELF)
+    peak = r1.ru_maxrss / 1024  # KiB -> MiB
+    # CPU seconds and page faults of the second step: less sensitive to other processes than wall time
     print(json.dumps({"loader": loader, "load_s": t_load, "first_step_s": t_first, "second_step_s": t_second,
-                      "baseline_mb": baseline, "peak_mb": peak}))
+                      "second_step_cpu_s": c_second, "second_step_minflt": r1.ru_minflt - r0.ru_minflt,
+                      "second_step_majflt": r1.ru_majflt - r0.ru_majflt, "baseline_mb": baseline, "peak_mb": peak}))
 
 
 def run_child(loader: str, path: Path) -> dict:
@@ -136,7 +140,7 @@ def run_child(loader: str, path: Path) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=1536, help="MMDiT hidden size (depth = hidden/64); 1536 -> ~1.4 GB")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2, help="runs per loader, interleaved (order alternates)")
     p.add_argument("--keep-dir", help="make the file here and keep it (default: a temp dir, deleted)")
     p.add_argument("--child", nargs=2, metavar=("LOADER", "FILE"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -153,16 +157,21 @@ def main() -> int:
             print(f"made {path.name}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
         size = path.stat().st_size
         results = {"pack": [], "stock": []}
-        for _ in range(args.repeats):
-            for loader in ("stock", "pack"):
+        load0 = os.getloadavg()[0]
+        for i in range(args.repeats):
+            for loader in (("stock", "pack") if i % 2 == 0 else ("pack", "stock")):
                 results[loader].append(run_child(loader, path))
         best = {k: {m: min(r[m] for r in v) for m in v[0]} for k, v in results.items() if v}
-        print(f"{'loader':<8}{'load s':>9}{'to 1st step s':>15}{'2nd step s':>12}{'peak-base MiB':>15}{'x file':>8}")
+        print(f"best of {args.repeats} interleaved runs per loader; load average (1 min) before/after: "
+              f"{load0:.2f}/{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        print(f"{'loader':<8}{'load s':>9}{'to 1st step s':>15}{'2nd step s':>12}{'2nd cpu s':>11}{'2nd minflt':>12}"
+              f"{'2nd majflt':>12}{'peak-base MiB':>15}{'x file':>8}")
         for k in ("stock", "pack"):
             b = best[k]
             above = b["peak_mb"] - b["baseline_mb"]
-            print(f"{k:<8}{b['load_s']:>9.2f}{b['first_step_s']:>15.2f}{b['second_step_s']:>12.2f}{above:>15.0f}"
-                  f"{above * 2**20 / size:>8.2f}")
+            print(f"{k:<8}{b['load_s']:>9.2f}{b['first_step_s']:>15.2f}{b['second_step_s']:>12.2f}"
+                  f"{b['second_step_cpu_s']:>11.2f}{b['second_step_minflt']:>12d}{b['second_step_majflt']:>12d}"
+                  f"{above:>15.0f}{above * 2**20 / size:>8.2f}")
         pk, st = best["pack"], best["stock"]
         pack_above = (pk["peak_mb"] - pk["baseline_mb"]) * 2**20
         out = {
@@ -171,6 +180,9 @@ def main() -> int:
             "second_step_ratio": round(pk["second_step_s"] / st["second_step_s"], 3),
             "pack_first_step_s": round(pk["first_step_s"], 3), "stock_first_step_s": round(st["first_step_s"], 3),
             "pack_second_step_s": round(pk["second_step_s"], 3), "stock_second_step_s": round(st["second_step_s"], 3),
+            "second_step_cpu_ratio": round(pk["second_step_cpu_s"] / st["second_step_cpu_s"], 3),
+            "pack_second_step_minflt": pk["second_step_minflt"], "stock_second_step_minflt": st["second_step_minflt"],
+            "repeats": args.repeats, "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "pack_peak_rss_above_baseline_x_file": round(pack_above / size, 3),
             "stock_peak_rss_above_baseline_x_file": round((st["peak_mb"] - st["baseline_mb"]) * 2**20 / size, 3),
         }

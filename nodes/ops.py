@@ -28,7 +28,6 @@ from ..quant import linear as quant_linear
 logger = logging.getLogger(__name__)
 
 _run_every_op = getattr(comfy.ops, "run_every_op", None)
-aten = torch.ops.aten
 
 
 def _same_device(device, current: torch.device) -> bool:
@@ -36,54 +35,6 @@ def _same_device(device, current: torch.device) -> bool:
         return True
     device = torch.device(device)
     return device.type == current.type and (device.index is None or device.index == current.index)
-
-
-def _tensor_to(func, args, kwargs):
-    """`Tensor.to` overloads as they arrive under `inference_mode` (ComfyUI moves and backs up weights
-    there): same semantics as torch (self when nothing changes and no copy is asked), FP8 kept."""
-    qt = args[0]
-    name = func._overloadname
-    a = list(args[1:])
-    if name == "dtype_layout":
-        dtype, device = kwargs.get("dtype"), kwargs.get("device")
-        non_blocking, copy = kwargs.get("non_blocking", False), kwargs.get("copy", False)
-    elif name == "device":
-        device = a[0] if a else kwargs.get("device")
-        dtype = a[1] if len(a) > 1 else kwargs.get("dtype")
-        non_blocking = a[2] if len(a) > 2 else kwargs.get("non_blocking", False)
-        copy = a[3] if len(a) > 3 else kwargs.get("copy", False)
-    elif name == "dtype":
-        device, dtype = None, (a[0] if a else kwargs.get("dtype"))
-        non_blocking = a[1] if len(a) > 1 else kwargs.get("non_blocking", False)
-        copy = a[2] if len(a) > 2 else kwargs.get("copy", False)
-    else:  # "other"
-        other = a[0] if a else kwargs.get("other")
-        device, dtype = other.device, other.dtype
-        non_blocking = a[1] if len(a) > 1 else kwargs.get("non_blocking", False)
-        copy = a[2] if len(a) > 2 else kwargs.get("copy", False)
-    same_dtype = dtype is None or dtype == qt.dtype
-    if _same_device(device, qt.device) and same_dtype and not copy:
-        return qt
-    return qt_aten_ops()[aten._to_copy.default](aten._to_copy.default, (qt,), {
-        "dtype": None if same_dtype else dtype, "device": device, "non_blocking": non_blocking})
-
-
-def qt_aten_ops() -> dict:
-    from ..quant.tensor import ATEN_OPS
-
-    return ATEN_OPS
-
-
-def ensure_tensor_to_overloads() -> None:
-    """Make sure `Tensor.to` keeps QuantizedTensor weights FP8 under inference_mode. quant-core's
-    dispatch table may not list these overloads yet; register ours only where it has none."""
-    table = qt_aten_ops()
-    for op in (aten.to.dtype_layout, aten.to.device, aten.to.dtype, aten.to.other):
-        if op not in table:
-            table[op] = _tensor_to
-
-
-ensure_tensor_to_overloads()
 
 
 def move_quantized(w: QuantizedTensor, device) -> QuantizedTensor:
@@ -208,4 +159,4 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
     return FP8Ops
 
 
-__all__ = ["make_fp8_ops", "move_quantized", "ensure_tensor_to_overloads"]
+__all__ = ["make_fp8_ops", "move_quantized"]

@@ -1,6 +1,7 @@
 """Op tables for QuantizedTensor, in the three steps the design names.
 
-1. generic ops (any layout): detach, clone, alias, device moves (``_to_copy``), ``copy_``,
+1. generic ops (any layout): detach, clone, alias, device moves (``_to_copy`` and the ``to``
+   overloads that reach dispatch under ``inference_mode``), ``copy_``,
    ``empty_like``, transposes, views where the layout allows, pinning, size checks;
 2. matmul-like ops, routed to :func:`linear.linear`: ``F.linear`` / ``matmul`` / ``mm`` /
    ``addmm`` at the torch-function level (whole op, any input rank, autograd sees plain
@@ -93,6 +94,34 @@ def _to_copy(func, args, kwargs):
     if dtype.is_floating_point and dtype.itemsize >= 2:
         return moved.dequantize(dtype)
     return moved.dequantize().to(dtype)
+
+
+def _same_device(device, current: torch.device) -> bool:
+    if device is None:
+        return True
+    device = torch.device(device)
+    return device.type == current.type and (device.index is None or device.index == current.index)
+
+
+@implements(aten.to.dtype_layout, aten.to.device, aten.to.dtype, aten.to.other)
+def _to(func, args, kwargs):
+    """``Tensor.to`` in the overloads that reach dispatch itself (under ``inference_mode``, where
+    ComfyUI moves modules and backs weights up before patching them). Same meaning as for plain
+    tensors: the tensor itself when nothing changes and no copy is asked for, a device move that
+    keeps the data FP8, and a dequantized tensor for another float dtype."""
+    qt = args[0]
+    bound = dict(zip((a.name for a in func._schema.arguments), args))
+    bound.update(kwargs)
+    if "other" in bound:
+        device, dtype = bound["other"].device, bound["other"].dtype
+    else:
+        device, dtype = bound.get("device"), bound.get("dtype")
+    same_dtype = dtype is None or dtype == qt.dtype
+    if _same_device(device, qt.device) and same_dtype and not bound.get("copy", False):
+        return qt
+    return _to_copy(aten._to_copy.default, (qt,), {
+        "dtype": None if same_dtype else dtype, "device": device,
+        "non_blocking": bool(bound.get("non_blocking", False))})
 
 
 @implements(aten.copy_.default)

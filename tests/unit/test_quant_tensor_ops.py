@@ -244,3 +244,37 @@ def test_convolution_weights_dequantize_into_the_input_dtype(caplog):
     with torch._C.DisableTorchFunctionSubclass():  # the aten level
         assert torch.equal(F.conv2d(x, qt, padding=1), ref)
     assert not _fallback_logs(caplog)
+
+
+def test_to_overloads_under_inference_mode_keep_fp8_or_dequantize(caplog):
+    # Under inference_mode Tensor.to reaches dispatch as aten.to.* itself (ComfyUI moves modules and
+    # backs weights up there): QuantizedTensor must answer these overloads, not the fallback.
+    reset_log_once()
+    qt = _qt(PerRow(), input_scale=torch.tensor(0.25))
+    other_half = torch.zeros(3, dtype=torch.float16)
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        assert qt.to("cpu") is qt and qt.to(torch.bfloat16) is qt and qt.to(qt) is qt  # nothing changes
+        moved = qt.to("cpu", copy=True)                                   # to.device
+        meta = qt.to(device="meta")                                       # to.dtype_layout
+        meta_same_dtype = qt.to("meta", torch.bfloat16)                   # to.device with its dtype
+        as_half = qt.to(torch.float16)                                    # to.dtype
+        like_other = qt.to(other_half)                                    # to.other
+        like_qt_on_meta = qt.to(meta)                                     # to.other, quantized other
+    for t in (moved, meta, meta_same_dtype, like_qt_on_meta):
+        assert isinstance(t, QuantizedTensor) and t.qdata.dtype == torch.float8_e4m3fn
+        assert t.dtype == torch.bfloat16 and t.scale.device == t.device and t.input_scale.device == t.device
+    assert moved.qdata.data_ptr() != qt.qdata.data_ptr() and _same(moved, qt)
+    assert meta.device.type == "meta" and meta_same_dtype.device.type == "meta"
+    assert like_qt_on_meta.device.type == "meta"
+    for t in (as_half, like_other):
+        assert not isinstance(t, QuantizedTensor) and t.dtype == torch.float16
+        assert torch.equal(t, qt.dequantize(torch.float16))
+    assert not _fallback_logs(caplog)
+
+
+def test_to_float32_under_inference_mode_moves_and_dequantizes():
+    qt = _qt(Block(32, 64))
+    with torch.inference_mode():
+        out = qt.to(device="cpu", dtype=torch.float32, copy=True)
+    assert type(out) is torch.Tensor and out.dtype == torch.float32
+    assert torch.equal(out, qt.dequantize(torch.float32))

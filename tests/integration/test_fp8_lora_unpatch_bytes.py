@@ -1,0 +1,123 @@
+"""In process, with ComfyUI's own ModelPatcher (no server): a LoRA patched onto FP8 weights changes
+them as dequantize -> add -> requantize, and unpatching restores every original FP8 byte and scale
+exactly: with in-place and replacing updates, under inference_mode (where ComfyUI patches, and where
+the weight backups go through the `Tensor.to` overloads) and outside it.
+
+Threshold: patched weight vs float64 (dequantized original + LoRA delta) > 25 dB (per-tensor e4m3fn)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import fp8_files
+
+pytestmark = pytest.mark.integration
+
+COMFYUI = Path(os.environ.get("COMFYUI_PATH", Path(__file__).resolve().parents[2] / ".host" / "comfyui"))
+LORA_LAYERS = ("joint_blocks.0.x_block.mlp.fc1", "joint_blocks.0.x_block.attn.qkv", "joint_blocks.1.x_block.mlp.fc2")
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref = ref.double()
+    err = (ref - x.double()).norm()
+    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
+
+
+@pytest.fixture(scope="module")
+def comfy_modules():
+    if not (COMFYUI / "comfy" / "model_patcher.py").is_file():
+        pytest.skip(f"ComfyUI 0.3.75 tree not found at {COMFYUI}")
+    if str(COMFYUI) not in sys.path:
+        sys.path.insert(0, str(COMFYUI))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    import comfy.lora
+    import comfy.sd
+
+    from fp8_engram.nodes.ops import make_fp8_ops
+
+    return comfy.sd, make_fp8_ops
+
+
+@pytest.fixture(scope="module")
+def fp8_file(tiny_models_cache, tmp_path_factory):
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tiny_models_cache / "diffusion_models" / "tiny_sd3.safetensors"))
+    path = tmp_path_factory.mktemp("fp8_lora") / "tiny_sd3_fp8.safetensors"
+    fp8_files.write_format(sd, path, "comfy_quant_metadata")
+    return path
+
+
+def _load(comfy_modules, path):
+    comfy_sd, make_fp8_ops = comfy_modules
+    from fp8_engram.quant import ComputeConfig, formats
+
+    cfg = ComputeConfig(path="weight_only")
+    sd, _ = formats.load_file(str(path), config=cfg)
+    return comfy_sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": make_fp8_ops(cfg)})
+
+
+def _lora(model) -> dict:
+    g = torch.Generator().manual_seed(5)
+    lora = {}
+    dm = model.model.diffusion_model
+    for layer in LORA_LAYERS:
+        w = dm.get_submodule(layer).weight
+        lora[f"diffusion_model.{layer}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.1
+        lora[f"diffusion_model.{layer}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.1
+    return lora
+
+
+def _snapshot(model) -> dict:
+    from fp8_engram.quant import QuantizedTensor
+
+    out = {}
+    for name, m in model.model.diffusion_model.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, QuantizedTensor):
+            out[name] = (w.qdata.view(torch.uint8).clone(), w.scale.clone(), w.layout, w.fp8_dtype, w.dequantize(torch.float64))
+    return out
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["replace", "inplace"])
+@pytest.mark.parametrize("mode", ["inference_mode", "grad_mode"])
+def test_unpatching_a_lora_restores_the_fp8_bytes_and_scales_exactly(comfy_modules, fp8_file, inplace, mode):
+    comfy_sd, _ = comfy_modules
+    from fp8_engram.quant import QuantizedTensor
+
+    base = _load(comfy_modules, fp8_file)
+    before = _snapshot(base)
+    assert len(before) == 24
+    lora = _lora(base)
+    ctx = torch.inference_mode() if mode == "inference_mode" else contextlib.nullcontext()
+    with ctx:
+        patched, _ = comfy_sd.load_lora_for_models(base, None, lora, 1.0, 0.0)
+        patched.weight_inplace_update = inplace
+        patched.patch_model(device_to=torch.device("cpu"))
+        during = _snapshot(patched)
+        for layer in LORA_LAYERS:
+            up = lora[f"diffusion_model.{layer}.lora_up.weight"].double()
+            down = lora[f"diffusion_model.{layer}.lora_down.weight"].double()
+            want = before[layer][4] + up @ down
+            q = sqnr(want, during[layer][4])
+            assert q > 25.0, f"{layer}: patched weight vs dequantized + LoRA delta {q:.1f} dB"
+            assert not torch.equal(during[layer][0], before[layer][0])  # the patch really changed the bytes
+            assert during[layer][2] == before[layer][2] and during[layer][3] == before[layer][3]
+        untouched = [n for n in before if n not in LORA_LAYERS]
+        assert all(torch.equal(during[n][0], before[n][0]) for n in untouched)
+        patched.unpatch_model(device_to=torch.device("cpu"))
+    after = _snapshot(base)
+    assert after.keys() == before.keys()
+    for name, (qbytes, scale, layout, fp8, _) in before.items():
+        w = base.model.diffusion_model.get_submodule(name).weight
+        assert isinstance(w, QuantizedTensor) and w.layout == layout and w.fp8_dtype == fp8, name
+        assert torch.equal(after[name][0], qbytes), f"{name}: FP8 bytes differ after unpatching"
+        assert torch.equal(after[name][1], scale), f"{name}: scale differs after unpatching"
