@@ -27,6 +27,11 @@ from .quantize_model import DEFAULT_KEEP, GRANULARITIES, fp8_dtype_from_name, ke
 logger = logging.getLogger(__name__)
 
 
+def _say(text: str, stream=None) -> None:
+    """The converter's own output (its product, not logging): results to stdout, errors to stderr."""
+    (stream or sys.stdout).write(f"{text}\n")
+
+
 def parse_block(text: str) -> tuple[int, int]:
     try:
         r, c = (int(v) for v in text.lower().split("x"))
@@ -100,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.info:
         try:
-            print(formats.inspect_file(args.info).text(per_layer=args.layers))
+            _say(formats.inspect_file(args.info).text(per_layer=args.layers))
         except formats.FormatError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            _say(f"error: {exc}", sys.stderr)
             return 2
         return 0
     if not args.input or not args.output:
@@ -123,19 +128,19 @@ def main(argv: list[str] | None = None) -> int:
                                     overwrite=args.overwrite, progress=progress)
     except (formats.FormatError, FileExistsError, ValueError) as exc:
         bar.close()
-        print(f"error: {exc}", file=sys.stderr)
+        _say(f"error: {exc}", sys.stderr)
         return 2
     bar.close()
     finite = [v for v in sqnr.values() if math.isfinite(v)]
-    print(f"wrote {result.path}: {result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} layers quantized "
+    _say(f"wrote {result.path}: {result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} layers quantized "
           f"({', '.join(f'{k}: {v}' for k, v in result.granularities.items())})")
     if finite:
         worst = min(sqnr, key=sqnr.get)
-        print(f"SQNR: mean {sum(finite) / len(finite):.2f} dB, min {sqnr[worst]:.2f} dB ({worst})")
-    print("stock ComfyUI: " + ("loads it unchanged" if result.stock_comfy_readable else
+        _say(f"SQNR: mean {sum(finite) / len(finite):.2f} dB, min {sqnr[worst]:.2f} dB ({worst})")
+    _say("stock ComfyUI: " + ("loads it unchanged" if result.stock_comfy_readable else
                                "cannot apply its scales; load it with this pack's FP8 loaders"))
     for note in result.notes:
-        print(f"note: {note}")
+        _say(f"note: {note}")
     return 0
 
 
