@@ -94,7 +94,9 @@ def _encode(clip, tokens: dict) -> list:
 
 def _bind(memory: EngramMemory, clip) -> None:
     memory.bind_tokenizers(_clip_tokenizers(clip))
-    memory.host_clip_tokenize = lambda text: _tokenize(clip, text)  # for nodes given no CLIP
+    # For nodes given no CLIP (Engram Apply): the last CLIP this memory was used with in this session.
+    memory.host_clip = clip
+    memory.host_clip_tokenize = lambda text: _tokenize(clip, text)
 
 
 # ----- memory lifetime: one live memory per New/Load node, reused while its settings stay the same -----
@@ -387,7 +389,7 @@ class EngramApply(io.ComfyNode):
                 raise EngramMemoryError("connect the CLIP: this memory has not met its tokenizer yet")
             tokens = tokenize(text)
             out = _apply_to_conditioning(conditioning, memory, tokens, strength)
-            ui = _hit_report(memory, tokens, clip)
+            ui = _hit_report(memory, tokens, clip if clip is not None else getattr(memory, "host_clip", None))
         except EngramMemoryError as exc:
             raise EngramMemoryError(f"Engram Apply: {exc}") from exc
         return io.NodeOutput(out, ui=ui)

@@ -240,3 +240,17 @@ def test_dead_worker_is_a_clear_error_and_replacement_recovers(comfy):
     assert time.monotonic() - started < 30
     graph["30"]["inputs"]["rows_per_head"] = 4079  # a replaced memory gets fresh workers
     comfy.run(graph)
+
+
+def test_engram_apply_on_existing_conditioning_equals_text_encode(comfy):
+    """Engram Apply adds the memory to a stock CLIPTextEncode output: same result as Engram Text Encode,
+    and its report names the hit words even without its optional CLIP input."""
+    graph = graph_with_memory(WITH_PHRASE, "engram_apply", seed=12)
+    graph["50"] = {"class_type": "FP8Engram.EngramApply", "inputs": {
+        "conditioning": ["40", 0], "text": WITH_PHRASE, "memory": ["31", 0], "strength": 1.0}}
+    graph["51"] = similarity(["50", 0], ["3", 0])
+    graph["52"] = similarity(["50", 0], ["40", 0])
+    history = comfy.run(graph)
+    assert sim_result(history, "51")["identical"] is True
+    assert sim_result(history, "52")["identical"] is False
+    assert hit_words(history, "50") == ["crystal", "apple"]
