@@ -13,6 +13,8 @@ Fixtures for integration and browser tests:
 - `models_dir` (session): `<base>/models`, holding the tiny models (tests may add files there:
   ComfyUI lists folders anew on each request).
 - `output_dir` (session): `<base>/output`.
+Fixtures for unit tests: `clip_tokenizer`, `t5_tokenizer` (the real tokenizers in ComfyUI's tree,
+loaded with transformers).
 Graph builders live in tests/helpers/graphs.py (`from helpers.graphs import sd3_txt2img`).
 Any test may `import fp8_engram` (the pack as a library).
 """
@@ -54,6 +56,20 @@ def pytest_collection_modifyitems(config, items):
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def clip_tokenizer():
+    """The real CLIP tokenizer ComfyUI ships (loaded with transformers, no ComfyUI import)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.CLIPTokenizer.from_pretrained(str(comfyui_root() / "comfy" / "sd1_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def t5_tokenizer():
+    """The real T5 tokenizer ComfyUI ships (SD3 and Flux text encoders)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.T5TokenizerFast.from_pretrained(str(comfyui_root() / "comfy" / "text_encoders" / "t5_tokenizer"))
 
 
 @pytest.fixture(scope="session")

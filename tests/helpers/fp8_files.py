@@ -71,6 +71,26 @@ BAD_KINDS = (
 )
 
 
+SMALL_LINEAR_KEYS = ["blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc2.weight"]
+
+
+def small_float_sd(seed: int = 0, *, with_conv: bool = False) -> dict[str, torch.Tensor]:
+    """A small bf16 state dict shaped like a transformer block: three linears (one whose input size is
+    not a multiple of 64, where musubi falls back to per-channel scales), a bias, a norm, and
+    optionally a conv weight (which stays as it is)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {
+        "blocks.0.attn.qkv.weight": torch.randn(384, 128, generator=g),
+        "blocks.0.attn.qkv.bias": torch.randn(384, generator=g) * 0.1,
+        "blocks.0.mlp.fc1.weight": torch.randn(256, 128, generator=g),
+        "blocks.0.mlp.fc2.weight": torch.randn(128, 96, generator=g),
+        "blocks.0.norm.weight": torch.ones(128),
+    }
+    if with_conv:
+        sd["embed.proj.weight"] = torch.randn(128, 16, 2, 2, generator=g)
+    return {k: v.to(torch.bfloat16) for k, v in sd.items()}
+
+
 def default_quantize(key: str, tensor: torch.Tensor) -> bool:
     """Which tensors the builders quantize: every 2-D `.weight` (linear layers)."""
     return key.endswith(".weight") and tensor.dim() == 2 and tensor.is_floating_point()

@@ -1,6 +1,5 @@
 """Tokenizer compression: surface variants of a word share one compressed id (real CLIP tokenizer)."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,19 +8,6 @@ from fp8_engram.engram.compress import build_compressed_vocab, compressed_vocab,
 
 pytestmark = pytest.mark.unit
 
-COMFY = Path(__file__).resolve().parents[2] / ".host" / "comfyui"
-
-
-@pytest.fixture(scope="module")
-def clip_tokenizer():
-    transformers = pytest.importorskip("transformers")
-    return transformers.CLIPTokenizer.from_pretrained(str(COMFY / "comfy" / "sd1_tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def t5_tokenizer():
-    transformers = pytest.importorskip("transformers")
-    return transformers.T5TokenizerFast.from_pretrained(str(COMFY / "comfy" / "text_encoders" / "t5_tokenizer"))
 
 
 def test_normalize_key_rules():

@@ -16,19 +16,10 @@ pytestmark = pytest.mark.unit
 
 
 def float_sd() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    sd = {
-        "blocks.0.attn.qkv.weight": torch.randn(384, 128, generator=g),
-        "blocks.0.attn.qkv.bias": torch.randn(384, generator=g) * 0.1,
-        "blocks.0.mlp.fc1.weight": torch.randn(256, 128, generator=g),
-        "blocks.0.mlp.fc2.weight": torch.randn(128, 96, generator=g),  # 96: not a multiple of 64
-        "blocks.0.norm.weight": torch.ones(128),
-        "embed.proj.weight": torch.randn(128, 16, 2, 2, generator=g),  # a conv stays as it is
-    }
-    return {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    return fp8_files.small_float_sd(0, with_conv=True)
 
 
-LINEAR = ["blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc2.weight"]
+LINEAR = fp8_files.SMALL_LINEAR_KEYS
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,11 @@ from helpers import fp8_files
 
 pytestmark = pytest.mark.unit
 
-LINEAR = ["blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc2.weight"]
+LINEAR = fp8_files.SMALL_LINEAR_KEYS
 
 
 def float_sd() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    sd = {
-        "blocks.0.attn.qkv.weight": torch.randn(384, 128, generator=g),
-        "blocks.0.attn.qkv.bias": torch.randn(384, generator=g) * 0.1,
-        "blocks.0.mlp.fc1.weight": torch.randn(256, 128, generator=g),
-        "blocks.0.mlp.fc2.weight": torch.randn(128, 96, generator=g),
-        "blocks.0.norm.weight": torch.ones(128),
-    }
-    return {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    return fp8_files.small_float_sd(1)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 phrases toward a target and nothing else, tokenizer checks, table-file round trip."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,13 +12,9 @@ from fp8_engram.engram.streams import family_layout, live_token_ids, place_token
 
 pytestmark = pytest.mark.unit
 
-COMFY = Path(__file__).resolve().parents[2] / ".host" / "comfyui"
-
-
 @pytest.fixture(scope="module")
-def clip():
-    transformers = pytest.importorskip("transformers")
-    return transformers.CLIPTokenizer.from_pretrained(str(COMFY / "comfy" / "sd1_tokenizer"))
+def clip(clip_tokenizer):
+    return clip_tokenizer
 
 
 def clip_chunks(tok, text, pad_id):
