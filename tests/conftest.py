@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HOST = ROOT / ".host"
 
 # `import fp8_engram` (the pack under its fixed name), `import comfyhost`, `import helpers`.
+# comfyhost (and `requests`) is imported only by the fixtures that start ComfyUI, so the unit tests
+# also run where only torch is installed (e.g. a GPU machine without this checkout's .venv).
 (HOST / "pkg").mkdir(parents=True, exist_ok=True)
 _pkg_link = HOST / "pkg" / "fp8_engram"
 if not _pkg_link.exists():
@@ -39,8 +41,6 @@ if not _pkg_link.exists():
 for path in (HOST / "pkg", ROOT / "scripts", ROOT / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
-
-from comfyhost import ComfyServer, WorkflowError, comfyui_root  # noqa: E402
 
 ARTIFACTS = ROOT / "test-artifacts"
 
@@ -61,6 +61,8 @@ def artifacts_dir() -> Path:
 @pytest.fixture(scope="session")
 def clip_tokenizer():
     """The real CLIP tokenizer ComfyUI ships (loaded with transformers, no ComfyUI import)."""
+    from comfyhost import comfyui_root
+
     transformers = pytest.importorskip("transformers")
     return transformers.CLIPTokenizer.from_pretrained(str(comfyui_root() / "comfy" / "sd1_tokenizer"))
 
@@ -68,6 +70,8 @@ def clip_tokenizer():
 @pytest.fixture(scope="session")
 def t5_tokenizer():
     """The real T5 tokenizer ComfyUI ships (SD3 and Flux text encoders)."""
+    from comfyhost import comfyui_root
+
     transformers = pytest.importorskip("transformers")
     return transformers.T5TokenizerFast.from_pretrained(str(comfyui_root() / "comfy" / "text_encoders" / "t5_tokenizer"))
 
@@ -75,6 +79,8 @@ def t5_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_models_cache() -> Path:
     """The tiny random models, made once per machine (they are seeded, so always the same)."""
+    from comfyhost import comfyui_root
+
     cache = HOST / "cache" / "models"
     try:
         comfyui_root()
@@ -86,6 +92,8 @@ def tiny_models_cache() -> Path:
 
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory, tiny_models_cache):
+    from comfyhost import ComfyServer
+
     base = tmp_path_factory.mktemp("comfy_base")
     models = base / "models"
     for src in tiny_models_cache.rglob("*.safetensors"):
@@ -116,4 +124,3 @@ def output_dir(comfy_server) -> Path:
     return comfy_server.base_dir / "output"
 
 
-__all__ = ["WorkflowError"]
