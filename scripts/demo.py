@@ -46,11 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("demo workflow finished in %.1f s", time.monotonic() - started)
         for node_id, output in history["outputs"].items():
             for image in output.get("images", []):
-                logger.info("image: %s", base / "output" / image.get("subfolder", "") / image["filename"])
+                folder = base / image.get("type", "output") / image.get("subfolder", "")
+                logger.info("%s image: %s", "saved" if image.get("type") == "output" else "preview", folder / image["filename"])
             for text in output.get("text", []):
                 logger.info("node %s reported:\n%s", node_id, text)
             for summary in output.get("fp8_summary", []):
-                logger.info("node %s loaded: %s", node_id, summary)
+                logger.info(
+                    "node %s loaded %s: %s, %d/%d layers FP8, %.2f MiB on disk vs %.2f MiB as bf16, compute: %s",
+                    node_id, summary.get("file"), summary["format"], summary["layers_quantized"], summary["layers_total"],
+                    summary["bytes_on_disk"] / 2**20, summary["bytes_bf16"] / 2**20, summary["compute_path"],
+                )
             for entry in output.get("engram_hits", []):
                 hits = [f"{t['text']}({t['strength']:.2f})" for t in entry.get("tokens", []) if t.get("hit")]
                 logger.info("node %s: words that hit the memory in %s: %s", node_id, entry.get("stream"), ", ".join(hits) or "none")
