@@ -5,8 +5,11 @@
   fetch can gather every requested row with a single `index_select` over all shards (`unified`). Each
   creator unlinks its file as soon as every rank has mapped it: from then on nothing is left behind,
   whichever process dies. One-rank groups use plain memory.
-* CUDA (NCCL): torch symmetric memory (`torch.distributed._symmetric_memory`), every peer's buffer
-  mapped through its handle. Several ranks on one GPU need TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1.
+* CUDA: torch symmetric memory (`torch.distributed._symmetric_memory`), every peer's buffer mapped
+  through its handle. The group only has to be a `ProcessGroup` that torch can find by its name (any
+  backend: the rendezvous exchanges handles through the group's store and a Unix socket, not through
+  collectives); EngramGroup uses a private gloo-backed group, so ranks may share one GPU (NCCL refuses
+  two ranks on one device). Ranks sharing a GPU need TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1.
 
 An allocator is `(group, num_bytes, device) -> ShardMemory`. Collectives are issued on the process
 group object itself (`group.allgather(...)`), so a group made without `init_process_group` works too.
@@ -97,12 +100,20 @@ def all_gather_object(group: dist.ProcessGroup, obj: object, device: torch.devic
     return [pickle.loads(bytes(t[:n].cpu().numpy())) for t, n in zip(out, lengths)]
 
 
-def barrier(group: dist.ProcessGroup, device: torch.device) -> None:
-    """A barrier that works on gloo and NCCL groups (an all-reduce of one element)."""
+def barrier(group: dist.ProcessGroup, device: torch.device, data_device: torch.device | None = None) -> None:
+    """A barrier that works on gloo and NCCL groups (an all-reduce of one element).
+
+    `data_device`: a CUDA device whose queued work (writes into shards) must be finished and visible to
+    every rank before any rank passes the barrier; synchronized before and after. The collective itself
+    runs on `device` (CPU for gloo groups, which is how EngramGroup runs CUDA ranks).
+    """
+    cuda_devices = {d for d in (torch.device(device), torch.device(data_device) if data_device is not None else None) if d is not None and d.type == "cuda"}
+    for d in cuda_devices:
+        torch.cuda.synchronize(d)
     token = torch.zeros(1, dtype=torch.int32, device=device)
     group.allreduce([token]).wait(_COLLECTIVE_TIMEOUT)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for d in cuda_devices:
+        torch.cuda.synchronize(d)
 
 
 # ----- CPU: POSIX shared memory mapped into one range -----
@@ -185,31 +196,74 @@ def shared_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: to
 
 # ----- CUDA: torch symmetric memory -----
 
+OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+
+
+def register_symmetric_memory_group(group: dist.ProcessGroup, store: dist.Store) -> None:
+    """Tell torch's symmetric memory the rank, size and store of a group it cannot find on its own.
+
+    torch >= 2.11 finds a group by its registered name and uses the group's store. Older releases look
+    the name up in a separate table that only `enable_symm_mem_for_group` (for groups in
+    torch.distributed's world) or `set_group_info` fills; this fills it for private groups too. A name
+    already in that table is left alone (the call raises there; nothing else is done).
+    """
+    try:
+        from torch._C._distributed_c10d import _SymmetricMemory
+    except ImportError:  # a torch build without symmetric memory: the allocator says so when used
+        return
+    set_group_info = getattr(_SymmetricMemory, "set_group_info", None)
+    if set_group_info is None:
+        return
+    try:
+        set_group_info(group.group_name, group.rank(), group.size(), dist.PrefixStore("fp8engram-symm/", store))
+    except RuntimeError:
+        pass  # already registered
+
 
 def symmetric_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.device) -> ShardMemory:
-    """CUDA shard buffers in torch symmetric memory; every peer's buffer mapped through the handle."""
+    """CUDA shard buffers in torch symmetric memory; every peer's buffer mapped through the handle.
+
+    `group` must be a `ProcessGroup` registered under its name (made by `init_process_group`/`new_group`,
+    or like `worker.named_group`); its collectives may run on any backend.
+    """
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"symmetric memory serves CUDA buffers, not {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     rank, num_ranks = group.rank(), group.size()
     if num_ranks == 1:
         local = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         return ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes)
+    group_name = getattr(group, "group_name", None)
+    if not isinstance(group, dist.ProcessGroup) or not group_name:
+        raise ValueError(
+            f"CUDA engram buffers need a named torch.distributed ProcessGroup for the symmetric-memory rendezvous, got {type(group).__name__}"
+        )
     try:
         import torch.distributed._symmetric_memory as symm_mem
     except ImportError as e:  # pragma: no cover - depends on the torch build
         raise RuntimeError(f"this torch build has no symmetric memory ({e}); multi-GPU engram groups need it") from e
+    # Refuse ranks that share a GPU without the opt-in here, with a clear message, on every rank alike
+    # (the rendezvous would fail deep inside torch otherwise).
+    coll = collective_device(group, device)
+    devices = [d[0] for d in all_gather_int64(group, [device.index], coll)]
+    if len(set(devices)) < num_ranks and os.environ.get(OVERLAP_ENV) != "1":
+        raise RuntimeError(f"engram ranks share GPUs (rank -> device {devices}); set {OVERLAP_ENV}=1 before the first rendezvous")
     try:
         local = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(local, group)
+        # The name (a str) is what every torch release with symmetric memory accepts.
+        handle = symm_mem.rendezvous(local, group_name)
     except Exception as e:
         raise RuntimeError(
-            f"symmetric-memory rendezvous failed on rank {rank}/{num_ranks} ({device}): {e}. Ranks sharing one GPU "
-            "need TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1; the group must be an NCCL group known to torch.distributed"
+            f"symmetric-memory rendezvous failed on rank {rank}/{num_ranks} ({device}, group {group_name!r}): {type(e).__name__}: {e}"
         ) from e
-    local.zero_()
+    with torch.cuda.device(device):
+        local.zero_()
     peers = [local if peer == rank else handle.get_buffer(peer, (num_bytes,), torch.uint8) for peer in range(num_ranks)]
-    return ShardMemory(local=local, peers=peers, unified=None, stride=0, keepalive=handle)
+    if any(p.device != device or p.numel() != num_bytes for p in peers):
+        raise RuntimeError(f"symmetric memory returned peer buffers {[(str(p.device), p.numel()) for p in peers]}, expected {num_bytes} bytes on {device}")
+    return ShardMemory(local=local, peers=peers, unified=None, stride=0, keepalive=(handle, local))
 
 
 def default_allocator(device: torch.device) -> ShardAllocator:

@@ -19,8 +19,11 @@ Contract (the one of DeepEP's `EngramBuffer`, see shared/DESIGN.md, engine secti
 Gather: when every shard is mapped into one virtual range (CPU shared memory, and any one-rank group),
 global ids are turned into row numbers of that range with integer arithmetic and ALL rows are gathered
 by one `index_select` straight into the output (each row moved once; invalid ids read a zero row kept
-in the layout). Otherwise (CUDA symmetric memory) the CPU path groups ids by owner (one select per peer
-over only its ids); the CUDA path uses fixed-shape device ops only (no host sync, CUDA-graph safe).
+in the layout). Otherwise (CUDA symmetric memory, where each peer's shard is its own mapping) the CPU
+path groups ids by owner (one select per peer over only its ids); the CUDA path uses fixed-shape device
+ops only (no host sync, CUDA-graph safe): per peer one select of all ids in which foreign and invalid ids
+read that peer's zero row (an L2 hit, so each requested row crosses the link once), into a stack
+`[ranks, n, row]`, then one select that picks each id's row from its owner's slice of the stack.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ class LocalEngramBuffer:
         *,
         device: torch.device | str | None = None,
         allocator: ShardAllocator | None = None,
+        gather: str | None = None,
     ) -> None:
         if dtype not in _DTYPE_CODES:
             raise ValueError(f"unsupported engram table dtype {dtype}; use torch.bfloat16 or torch.float8_e4m3fn")
@@ -142,9 +146,13 @@ class LocalEngramBuffer:
         if hidden * dtype.itemsize % ROW_ALIGNMENT_BYTES:
             raise ValueError(f"a row of {hidden} {dtype} values is {hidden * dtype.itemsize} bytes, not a multiple of {ROW_ALIGNMENT_BYTES}")
 
+        if gather not in (None, "unified", "fixed_shape", "grouped"):
+            raise ValueError(f"gather must be None, 'unified', 'fixed_shape' or 'grouped', got {gather!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = group
         self.rank_idx = group.rank()
         self.num_ranks = group.size()
@@ -168,7 +176,19 @@ class LocalEngramBuffer:
             raise RuntimeError("the shard allocator returned buffers that do not fit the layout")
         self._memory = memory
         self._build_views()
-        barrier(group, self._coll_device)
+        # How fetch gathers: "unified" (one select over one address range), "fixed_shape" (no host sync,
+        # CUDA-graph safe; the default on CUDA) or "grouped" (CPU only: one select per peer over its ids).
+        # `gather` forces a mode (tests run the fixed-shape path on CPU ranks with it).
+        if gather is None:
+            gather = "unified" if self._unified else ("fixed_shape" if self.device.type == "cuda" else "grouped")
+        if (gather == "unified" and not self._unified) or (gather == "grouped" and self.device.type != "cpu"):
+            self.destroy()
+            raise ValueError(
+                f"gather={gather!r} is not possible here: 'unified' needs every shard in one address range (CPU shared memory or one rank), "
+                f"'grouped' serves CPU buffers only (buffer on {self.device})"
+            )
+        self.gather_mode = gather
+        barrier(group, self._coll_device, self.device)
 
     # ----- setup -----
 
@@ -200,6 +220,17 @@ class LocalEngramBuffer:
             if self.use_fp8
             else []
         )
+        # [rank] -> every table row of the shard plus its zero row (resp. every scale row plus the zero
+        # scale row) as words: row (offset // row_bytes) + r is local row r of the layer at that offset.
+        table_span = layout.zero_row_offset + layout.row_bytes
+        self._peer_rows = [p[:table_span].view(self._table_word).view(-1, self._row_words) for p in memory.peers]
+        self._table_zero_row = layout.zero_row_offset // layout.row_bytes
+        if self.use_fp8:
+            sf_span = layout.zero_sf_offset + layout.sf_row_bytes
+            self._peer_sf_rows = [p[:sf_span].view(self._sf_word).view(-1, self._sf_words) for p in memory.peers]
+            self._sf_zero_row = layout.zero_sf_offset // layout.sf_row_bytes
+        else:
+            self._peer_sf_rows = []
         unified = memory.unified
         stride = memory.stride
         self._unified = unified is not None and stride % layout.row_bytes == 0 and (not self.use_fp8 or stride % layout.sf_row_bytes == 0)
@@ -224,6 +255,7 @@ class LocalEngramBuffer:
         """Drop every view and release the shard memory (idempotent)."""
         memory, self._memory = getattr(self, "_memory", None), None
         self._tables = self._sfs = []
+        self._peer_rows = self._peer_sf_rows = []
         self._all_rows = self._all_sfs = None
         if memory is not None:
             memory.release()
@@ -231,7 +263,7 @@ class LocalEngramBuffer:
     def write(self, storages: Sequence[torch.Tensor], sfs: Sequence[torch.Tensor] | None = None) -> None:
         """Collective: copy this rank's shards `[n_l, hidden]` (and scale factors) into the buffer."""
         self._check_alive()
-        barrier(self.group, self._coll_device)
+        barrier(self.group, self._coll_device, self.device)
         if len(storages) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} storages (one per layer), got {len(storages)}")
         for layer, storage in enumerate(storages):
@@ -269,7 +301,7 @@ class LocalEngramBuffer:
             self.sf_dtype = sf_dtype
             for layer, sf in enumerate(local_sfs):
                 self._sfs[self.rank_idx][layer].copy_(sf.contiguous().view(torch.uint8).view(sf.shape[0], self.layout.sf_row_bytes))
-        barrier(self.group, self._coll_device)
+        barrier(self.group, self._coll_device, self.device)
 
     def fetch(self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = True) -> list[Callable[[], object]]:
         """Gather the requested rows of every layer; one hook per layer (see the module docstring).
@@ -309,12 +341,7 @@ class LocalEngramBuffer:
             ids = indices[layer].reshape(n)
             out_rows = data[layer].view(torch.uint8).view(n, self.layout.row_bytes)
             sf_rows = torch.empty((n, self.layout.sf_row_bytes), dtype=torch.uint8, device=self.device) if self.use_fp8 else None
-            if self._unified:
-                self._gather_unified(layer, ids, out_rows, sf_rows)
-            elif self.device.type == "cuda":
-                self._gather_fixed_shape(layer, ids, out_rows, sf_rows)
-            else:
-                self._gather_grouped(layer, ids, out_rows, sf_rows)
+            self._gather(layer, ids, out_rows, sf_rows)
             if self.use_fp8:
                 sf = sf_backing.as_strided((num_tokens, sf_width), sf_strides, layer * sf_layer_stride)
                 sf.copy_(sf_rows.view(self.sf_dtype).view(num_tokens, sf_width))
@@ -335,6 +362,14 @@ class LocalEngramBuffer:
             return valid, torch.zeros_like(safe), safe
         owner = torch.div(safe, n, rounding_mode="floor")
         return valid, owner, safe - owner * n
+
+    def _gather(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
+        if self.gather_mode == "unified":
+            self._gather_unified(layer, ids, out_rows, sf_rows)
+        elif self.gather_mode == "fixed_shape":
+            self._gather_fixed_shape(layer, ids, out_rows, sf_rows)
+        else:
+            self._gather_grouped(layer, ids, out_rows, sf_rows)
 
     def _gather_unified(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
         # Row r of rank p's shard is row p * seg_rows + offset + r of the single view over all shards.
@@ -376,18 +411,33 @@ class LocalEngramBuffer:
                 sf_rows.index_copy_(0, positions, self._sfs[peer][layer].index_select(0, rows))
 
     def _gather_fixed_shape(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
-        # CUDA without one address space: fixed shapes only (no host sync, graph-capturable). Foreign ids
-        # read the peer's row 0 (a cache hit), so each requested row crosses the link once.
-        valid, owner, local = self._route(layer, ids)
-        out_rows.zero_()
+        # CUDA without one address space: fixed shapes only (no host sync, graph-capturable).
+        n = self.num_entries_per_layer[layer]
+        ids = ids.to(torch.int64)
+        valid = (ids >= 0) & (ids < self.num_ranks * n)
+        safe = torch.where(valid, ids, 0)
+        owner = torch.div(safe, n, rounding_mode="floor")
+        local = safe - owner * n
+        k = ids.numel()
+        # Position of id i in the stack: its owner's slice (invalid ids: rank 0's slice, which holds the zero row there).
+        pick = torch.arange(k, device=ids.device).add_(owner * k)
+        base = self.layout.table_offsets[layer] // self.layout.row_bytes
+        self._stacked_gather(self._peer_rows, local + base, valid, owner, self._table_zero_row, pick, out_rows.view(self._table_word))
         if sf_rows is not None:
-            sf_rows.zero_()
-        for peer in range(self.num_ranks):
-            mine = (valid & (owner == peer)).unsqueeze(1)
-            rows = torch.where(mine.squeeze(1), local, 0)
-            torch.where(mine, self._tables[peer][layer].index_select(0, rows), out_rows, out=out_rows)
-            if sf_rows is not None:
-                torch.where(mine, self._sfs[peer][layer].index_select(0, rows), sf_rows, out=sf_rows)
+            sf_base = self.layout.sf_offsets[layer] // self.layout.sf_row_bytes
+            self._stacked_gather(self._peer_sf_rows, local + sf_base, valid, owner, self._sf_zero_row, pick, sf_rows.view(self._sf_word))
+
+    @staticmethod
+    def _stacked_gather(
+        views: Sequence[torch.Tensor], rows: torch.Tensor, valid: torch.Tensor, owner: torch.Tensor, zero_row: int, pick: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """out[i] = views[owner[i]][rows[i]] if valid[i] else views[0][zero_row], with fixed shapes only."""
+        k, width = out.shape
+        stack = torch.empty((len(views), k, width), dtype=out.dtype, device=out.device)
+        for peer, view in enumerate(views):
+            mine = valid & (owner == peer)
+            torch.index_select(view, 0, torch.where(mine, rows, zero_row), out=stack[peer])
+        torch.index_select(stack.view(len(views) * k, width), 0, pick, out=out)
 
     # ----- row access for the host-side group (no collectives; writes go straight to the owner's shard) -----
 
@@ -405,12 +455,7 @@ class LocalEngramBuffer:
         out = torch.empty((k, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
         sf = torch.empty((k, self.layout.sf_row_bytes), dtype=torch.uint8, device=self.device) if self.use_fp8 else None
         ids = rows.to(self.device, torch.int64)
-        if self._unified:
-            self._gather_unified(layer, ids, out, sf)
-        elif self.device.type == "cuda":
-            self._gather_fixed_shape(layer, ids, out, sf)
-        else:
-            self._gather_grouped(layer, ids, out, sf)
+        self._gather(layer, ids, out, sf)
         data = out.view(self.dtype).view(k, self.hidden)
         return data, (sf.view(self.sf_dtype).view(k, self.num_sf_packs) if sf is not None else None)
 

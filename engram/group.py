@@ -1,9 +1,12 @@
 """EngramGroup: engram tables sharded over worker processes, served in the host process (a RowStore).
 
 The host process (ComfyUI's) is rank 0. It starts one worker per further rank with `sys.executable`
-running engram/worker.py (never multiprocessing spawn), forms the process group on loopback (gloo on
-the CPU, NCCL on CUDA), and every rank allocates its shard in memory every rank maps (shared memory on
-the CPU, symmetric memory on CUDA). Fetches, reads and writes then run in the host alone, touching
+running engram/worker.py (never multiprocessing spawn), forms a private process group on loopback
+(gloo; on CUDA a gloo-backed group registered under a unique name, never torch.distributed's default
+group, which stays free for ComfyUI or other packs), and every rank allocates its shard in memory every
+rank maps (shared memory on the CPU, symmetric memory on CUDA). CUDA rank r runs on GPU
+r % device_count; when ranks share a GPU, TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 is set in the host's
+environment (and so the workers') before the first rendezvous. Fetches, reads and writes then run in the host alone, touching
 peers' shards directly: no collective and no message per call. Workers only hold their memory and load
 their own row ranges of table files.
 
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -36,7 +40,8 @@ import torch.distributed as dist
 from . import ue8m0
 from .buffer import LocalEngramBuffer
 from .store import check_fetch_indices, check_layer, check_rows, check_table_geometry, check_values, decode_rows, encode_rows, last_occurrence
-from .worker import gloo_group
+from .allocators import OVERLAP_ENV
+from .worker import gloo_group, named_group, release_named_group
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +121,8 @@ class EngramGroup:
 
     `rows_per_layer` are the GLOBAL rows each layer needs; every layer is padded up to a multiple of
     `num_ranks`, and `self.rows_per_layer` reports the padded counts (rows past what was asked stay zero).
-    `device` is "cpu" (gloo, shared memory; `num_ranks` CPU ranks) or "cuda" (NCCL, symmetric memory; rank
-    r on GPU r). `num_entries_per_token` and `num_max_tokens` configure the DeepEP-style `fetch` of
+    `device` is "cpu" (gloo, shared memory; `num_ranks` CPU ranks) or "cuda" (symmetric memory; rank r on
+    GPU r % device_count, so several ranks may share a GPU). `num_entries_per_token` and `num_max_tokens` configure the DeepEP-style `fetch` of
     `self.buffer`; `fetch_rows` accepts any entry and token count.
     """
 
@@ -142,10 +147,16 @@ class EngramGroup:
         if device == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("EngramGroup(device='cuda') needs a CUDA GPU; use device='cpu'")
-            if num_ranks > torch.cuda.device_count() and os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") != "1":
-                raise ValueError(f"{num_ranks} CUDA ranks but {torch.cuda.device_count()} GPUs (set TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 to share GPUs)")
+            count = torch.cuda.device_count()
+            self.rank_devices = [r % count for r in range(num_ranks)]
+            if num_ranks > count and os.environ.get(OVERLAP_ENV) != "1":
+                # Read by torch's symmetric memory at the first rendezvous; the workers inherit it.
+                os.environ[OVERLAP_ENV] = "1"
+                logger.info("engram: %d CUDA ranks on %d GPU(s); set %s=1", num_ranks, count, OVERLAP_ENV)
+        else:
+            self.rank_devices = [-1] * num_ranks
         self.num_ranks = num_ranks
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", self.rank_devices[0]) if device == "cuda" else torch.device("cpu")
         self.hidden = hidden
         self.table_dtype = table_dtype
         self.num_layers = len(requested)
@@ -158,7 +169,7 @@ class EngramGroup:
         self._failure: EngramWorkerError | None = None
         self.last_load_ranges: dict[int, list[list[int]]] = {}
         self._closed = False
-        self._uses_default_group = False
+        self._group_name: str | None = None
         self.buffer: LocalEngramBuffer | None = None
         self._group = None
         self._store = None
@@ -183,7 +194,11 @@ class EngramGroup:
         else:
             self._store = dist.HashStore()
             port = 0
+        if device == "cuda":
+            self._group_name = f"fp8engram-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         config = {
+            "group_name": self._group_name,
+            "devices": self.rank_devices,
             "num_ranks": self.num_ranks,
             "port": port,
             "timeout": self.timeout,
@@ -201,12 +216,8 @@ class EngramGroup:
 
         def build() -> LocalEngramBuffer:
             if device == "cuda":
-                if dist.is_initialized():
-                    raise RuntimeError("EngramGroup(device='cuda') needs torch.distributed's default group, which is already in use in this process")
-                torch.cuda.set_device(0)
-                dist.init_process_group("nccl", store=self._store, rank=0, world_size=self.num_ranks, timeout=timeout, device_id=self.device)
-                self._uses_default_group = True
-                self._group = dist.group.WORLD
+                # No torch.cuda.set_device here: the host's current device is ComfyUI's business.
+                self._group = named_group(self._store, 0, self.num_ranks, timeout, self._group_name)
             else:
                 self._group = gloo_group(self._store, 0, self.num_ranks, timeout)
             return LocalEngramBuffer(
@@ -417,8 +428,8 @@ class EngramGroup:
         if self.buffer is not None:
             self.buffer.destroy()
             self.buffer = None
-        if self._uses_default_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._group_name is not None:
+            release_named_group(self._group_name)
         self._group = None
         self._store = None
 

@@ -74,10 +74,15 @@ def make_process_group(config: dict, rank: int):
     if config["device"] == "cuda":
         import torch
 
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timeout, device_id=torch.device("cuda", rank))
-        return dist.group.WORLD, store
+        torch.cuda.set_device(int(config["devices"][rank]))
+        return named_group(store, rank, world, timeout, config["group_name"]), store
     return gloo_group(store, rank, world, timeout), store
+
+
+def rank_device(config: dict, rank: int):
+    import torch
+
+    return torch.device("cuda", int(config["devices"][rank])) if config["device"] == "cuda" else torch.device("cpu")
 
 
 def gloo_group(store, rank: int, world: int, timeout: timedelta):
@@ -89,6 +94,41 @@ def gloo_group(store, rank: int, world: int, timeout: timedelta):
     options._timeout = timeout
     options._threads = 2
     return ProcessGroupGloo(store, rank, world, options)
+
+
+def named_group(store, rank: int, world: int, timeout: timedelta, name: str):
+    """A gloo-backed ProcessGroup registered under `name`, outside torch.distributed's default group.
+
+    CUDA ranks use it: torch's symmetric memory finds a group by its name and exchanges the shard handles
+    through the group's store (no collective), and the few control collectives (configuration check,
+    barriers) run on CPU tensors. Unlike NCCL, it lets several ranks share one GPU, and it leaves the
+    host process's default group (ComfyUI's, or another node pack's) alone. `release_named_group` undoes
+    the registration.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _register_process_group
+
+    from .allocators import register_symmetric_memory_group
+
+    prefix = dist.PrefixStore(f"{name}/", store)
+    backend = gloo_group(dist.PrefixStore("cpu/", prefix), rank, world, timeout)
+    group = dist.ProcessGroup(prefix, rank, world)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group._set_group_name(name)
+    _register_process_group(name, group)
+    register_symmetric_memory_group(group, prefix)
+    return group
+
+
+def release_named_group(name: str) -> None:
+    from torch._C._distributed_c10d import _unregister_process_group
+
+    try:
+        _unregister_process_group(name)
+    except RuntimeError:
+        pass  # not registered (any more)
 
 
 def load_own_rows(buffer, rank: int, path: str) -> list[list[int]]:
@@ -157,7 +197,7 @@ def main(argv: list[str]) -> int:
 
     try:
         group, _store = make_process_group(config, args.rank)
-        device = torch.device("cuda", args.rank) if config["device"] == "cuda" else torch.device("cpu")
+        device = rank_device(config, args.rank)
         buffer = LocalEngramBuffer(
             group,
             config["rows_per_rank"],
