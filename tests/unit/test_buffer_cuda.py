@@ -29,6 +29,7 @@ MAX_TOKENS = 64
 TOKEN_COUNTS = (1, 5, 7, 64)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+GROUP_DEVICE = "cuda"  # of the EngramGroup tests (a scratch run may set "cpu" to exercise the test code itself)
 
 
 def _pkg_parent() -> str:
@@ -216,15 +217,15 @@ def test_cuda_fetch_matches_reference_without_host_sync_and_in_cuda_graphs(world
     assert all(r["device"].startswith("cuda") for r in reports)
 
 
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_engram_group_on_cuda_matches_local_store(dtype, tmp_path):
+def _filled_group_and_local_store(dtype):
     from fp8_engram.engram.group import EngramGroup
     from fp8_engram.engram.store import LocalRowStore
 
-    group = EngramGroup([1001, 333], HIDDEN, dtype, num_ranks=2, device="cuda", num_entries_per_token=4, num_max_tokens=32)
+    group = EngramGroup([1001, 333], HIDDEN, dtype, num_ranks=2, device=GROUP_DEVICE, num_entries_per_token=4, num_max_tokens=32)
     try:
-        assert group.buffer.gather_mode == "fixed_shape" and group.device.type == "cuda"
+        assert group.device.type == GROUP_DEVICE
+        if GROUP_DEVICE == "cuda":
+            assert group.buffer.gather_mode == "fixed_shape"
         assert len(group.ping()) == 1
         local = LocalRowStore(group.rows_per_layer, HIDDEN, dtype)
         g = torch.Generator().manual_seed(7)
@@ -233,26 +234,63 @@ def test_engram_group_on_cuda_matches_local_store(dtype, tmp_path):
             values = torch.randn(300, HIDDEN, generator=g)
             group.write_rows(layer, ids, values)
             local.write_rows(layer, ids, values)
-        indices = torch.randint(-2, 1100, (2, 5, 4), generator=g, dtype=torch.int32)
-        fetched = group.fetch_rows(indices)
-        for layer, (a, b) in enumerate(zip(fetched, local.fetch_rows(indices))):
-            assert a.shape == b.shape == (5, 4, HIDDEN)
-            assert torch.equal(a.cpu(), b), f"fetch_rows of layer {layer} differs from LocalRowStore"
-            assert float(b.abs().sum()) > 0, "the reference is all zero: the check would prove nothing"
+    except BaseException:
+        group.close()
+        raise
+    return group, local
+
+
+def _assert_same_fetch(group, local, indices: torch.Tensor) -> None:
+    for layer, (a, b) in enumerate(zip(group.fetch_rows(indices), local.fetch_rows(indices))):
+        assert a.shape == b.shape == (indices.shape[1], indices.shape[2], HIDDEN)
+        assert torch.equal(a.cpu(), b), f"fetch_rows of layer {layer} differs from LocalRowStore"
+        assert float(b.abs().sum()) > 0, "the reference is all zero: the check would prove nothing"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_engram_group_on_cuda_matches_local_store(dtype):
+    group, local = _filled_group_and_local_store(dtype)
+    try:
+        g = torch.Generator().manual_seed(8)
+        _assert_same_fetch(group, local, torch.randint(-2, 1100, (2, 5, 4), generator=g, dtype=torch.int32))
         for layer, n in enumerate(group.rows_per_layer):
             rows = torch.randint(0, n, (50,), generator=g)
             assert torch.equal(group.read_rows(layer, rows).cpu(), local.read_rows(layer, rows)), f"read_rows of layer {layer}"
-        # The table file round trip goes through the worker's own row ranges on its GPU.
+        # The DeepEP-style fetch of the host's buffer agrees byte for byte with the local tables.
+        indices = torch.randint(-2, 1100, (2, 5, 4), generator=g, dtype=torch.int32)
+        hooks = group.buffer.fetch(indices.to(group.device))
+        for layer in (1, 0):
+            result = hooks[layer]()
+            data = result[0] if isinstance(result, tuple) else result
+            got = data.view(torch.uint8).cpu().reshape(-1, local.tables[layer].view(torch.uint8).shape[1])
+            ids = indices[layer].reshape(-1).long()
+            valid = (ids >= 0) & (ids < group.rows_per_layer[layer])
+            assert torch.equal(got[valid], local.tables[layer].view(torch.uint8)[ids[valid]]) and torch.all(got[~valid] == 0)
+    finally:
+        group.close()
+        local.close()
+
+
+@needs_cuda
+def test_engram_group_on_cuda_table_file_round_trip(tmp_path):
+    """Save, clear, load: the worker reads its own row ranges into its shard on the GPU."""
+    group, local = _filled_group_and_local_store(torch.float8_e4m3fn)
+    try:
+        indices = torch.randint(-2, 1100, (2, 9, 4), generator=torch.Generator().manual_seed(9), dtype=torch.int32)
         path = tmp_path / "table.safetensors"
         group.save_table_file(str(path))
         for layer, n in enumerate(group.rows_per_layer):
             group.write_rows(layer, torch.arange(n), torch.zeros(n, HIDDEN))
         group.load_table_file(str(path))
-        for a, b in zip(group.fetch_rows(indices), local.fetch_rows(indices)):
-            assert torch.equal(a.cpu(), b), "rows differ after the table file round trip"
-        local.close()
+        _assert_same_fetch(group, local, indices)
+        per_rank = group.rows_per_rank
+        for layer in range(group.num_layers):
+            ranges = sorted(tuple(group.last_load_ranges[r][layer][1:]) for r in range(group.num_ranks))
+            assert ranges == [(r * per_rank[layer], (r + 1) * per_rank[layer]) for r in range(group.num_ranks)]
     finally:
         group.close()
+        local.close()
 
 
 if __name__ == "__main__":
