@@ -199,6 +199,14 @@ def shared_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: to
 OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 
 
+def _torch_older_than(major: int, minor: int) -> bool:
+    try:
+        have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return have < (major, minor)
+
+
 def register_symmetric_memory_group(group: dist.ProcessGroup, store: dist.Store) -> None:
     """Tell torch's symmetric memory the rank, size and store of a group it cannot find on its own.
 
@@ -250,6 +258,13 @@ def symmetric_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device:
     devices = [d[0] for d in all_gather_int64(group, [device.index], coll)]
     if len(set(devices)) < num_ranks and os.environ.get(OVERLAP_ENV) != "1":
         raise RuntimeError(f"engram ranks share GPUs (rank -> device {devices}); set {OVERLAP_ENV}=1 before the first rendezvous")
+    if _torch_older_than(2, 11) and not symm_mem.is_symm_mem_enabled_for_group(group_name):
+        # Releases before 2.11 need this for groups of torch.distributed's world (private groups were
+        # registered by register_symmetric_memory_group); a group it cannot find is left to the rendezvous.
+        try:
+            symm_mem.enable_symm_mem_for_group(group_name)
+        except Exception:  # noqa: BLE001
+            pass
     try:
         local = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
         # The name (a str) is what every torch release with symmetric memory accepts.
