@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfyhost import WorkflowError
+from comfyhost import WorkflowError, comfyui_root
 from helpers.graphs import sd3_txt2img
 from safetensors.torch import load_file
 
@@ -25,7 +25,6 @@ TARGET = WITH_PHRASE.replace(PHRASE, TARGET_PHRASE)  # what WITH_PHRASE should c
 IN_CONTEXT = f"a photo of a {PHRASE} on a table"  # the phrase inside a sentence
 WITHOUT_PHRASE = "a photo of a green pear on a table"
 PHRASE_ROWS = (2, 2)  # first row, count: "crystal apple" (BOS, glowing, crystal, apple)
-COMFY_TOKENIZER = Path(__file__).resolve().parents[2] / ".host" / "comfyui" / "comfy" / "sd1_tokenizer"
 
 
 def new_memory(ranks: int = 2, rows_per_head: int = 4099) -> dict:
@@ -142,7 +141,7 @@ def test_random_table_does_not_produce_the_effect(comfy, models_dir):
     from fp8_engram.engram.store import LocalRowStore
     from fp8_engram.engram.streams import family_layout
 
-    tok = transformers.CLIPTokenizer.from_pretrained(str(COMFY_TOKENIZER))
+    tok = transformers.CLIPTokenizer.from_pretrained(str(comfyui_root() / "comfy" / "sd1_tokenizer"))
     config, vocabs = make_config(family_layout("sd3", encoders=["clip_l"]), {"l": tok}, rows_per_head=4099, seed=0)
     memory = EngramMemory(config, LocalRowStore(config.rows_per_layer(2), config.hidden), vocabs)
     gen = torch.Generator().manual_seed(0)
