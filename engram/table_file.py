@@ -15,8 +15,10 @@ file (safetensors `safe_open`) and read row ranges, so a worker touches only its
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import struct
 import tempfile
 from collections.abc import Sequence
@@ -35,8 +37,30 @@ _DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 _WRITE_CHUNK_BYTES = 64 << 20
 
 
+# A table file's metadata is a few KB of JSON; anything far larger is not one of ours.
+MAX_METADATA_JSON_BYTES = 16 * 1024 * 1024
+
+
 class TableFileError(ValueError):
     """A table file that cannot be read or does not match what was expected (names the file and key)."""
+
+
+class TableFileWriteError(OSError):
+    """Writing a table file failed (disk full, I/O error). The message names the file and says that
+    nothing was left under its name; `errno` is the operating system's error number."""
+
+
+def _json_field(path: str, key: str, text: str | None, default: str = "null"):
+    text = default if text is None else text
+    if len(text) > MAX_METADATA_JSON_BYTES:
+        raise TableFileError(f"{path}: metadata {key!r} is {len(text):,} characters long, at most "
+                             f"{MAX_METADATA_JSON_BYTES:,} expected")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise TableFileError(f"{path}: metadata {key!r} is JSON nested too deeply") from None
+    except ValueError as e:  # bad JSON, or an integer literal beyond Python's digit limit
+        raise TableFileError(f"{path}: metadata {key!r} is not valid JSON ({str(e)[:200]})") from None
 
 
 def rows_key(layer: int) -> str:
@@ -54,10 +78,12 @@ def _as_chunks(x: Chunks) -> list[torch.Tensor]:
     return [x] if isinstance(x, torch.Tensor) else list(x)
 
 
-def _write_tensor_bytes(f, t: torch.Tensor) -> None:
+def _write_tensor_bytes(f, t: torch.Tensor) -> int:
     flat = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    written = 0
     for start in range(0, flat.numel(), _WRITE_CHUNK_BYTES):
-        f.write(memoryview(flat[start : start + _WRITE_CHUNK_BYTES].numpy()))
+        written += f.write(memoryview(flat[start : start + _WRITE_CHUNK_BYTES].numpy()))
+    return written
 
 
 def write_table_file(
@@ -133,22 +159,46 @@ def write_table_file(
     header_bytes += b" " * (-len(header_bytes) % 8)
 
     folder = os.path.dirname(os.path.abspath(path))
+    total = 8 + len(header_bytes) + offset
+    existed = os.path.exists(path)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError as e:
+        raise _write_failed(path, e, 0, total, existed) from e
+    if free < total:
+        raise TableFileWriteError(errno.ENOSPC, f"{path}: the table file needs {total / 2**20:,.2f} MiB but only "
+                                  f"{free / 2**20:,.2f} MiB are free in {folder}; nothing was written")
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
+    written = 0
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(header_bytes)))
-            f.write(header_bytes)
+            written += f.write(struct.pack("<Q", len(header_bytes)))
+            written += f.write(header_bytes)
             for piece in pieces:
-                _write_tensor_bytes(f, piece)
+                written += _write_tensor_bytes(f, piece)
             f.flush()
             os.fsync(f.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600 files; a saved memory is an ordinary file
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and not isinstance(e, TableFileWriteError):
+            raise _write_failed(path, e, written, total, existed) from e
         raise
+
+
+def _write_failed(path: str, e: OSError, written: int, total: int, existed: bool) -> TableFileWriteError:
+    why = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        why += " (the disk is full)"
+    before = "the table file that was there is unchanged" if existed else "no file was created"
+    return TableFileWriteError(e.errno or errno.EIO, f"{path}: writing the table file failed after {written:,} of "
+                               f"{total:,} bytes: {why}; the partial temporary file was removed and {before}")
 
 
 class TableFile:
@@ -163,6 +213,13 @@ class TableFile:
             self._handle = self._file.__enter__()
         except (SafetensorError, OSError, ValueError) as e:
             raise TableFileError(f"{self.path}: not a readable safetensors file ({e}); truncated or not a table file?") from e
+        try:
+            self._validate()
+        except BaseException:
+            self.close()  # a refused file must not stay mapped
+            raise
+
+    def _validate(self) -> None:
         meta = self._handle.metadata() or {}
         if meta.get("engram.format") != FORMAT_NAME:
             raise TableFileError(f"{self.path}: metadata 'engram.format' is {meta.get('engram.format')!r}, expected {FORMAT_NAME!r}")
@@ -170,17 +227,22 @@ class TableFile:
             raise TableFileError(
                 f"{self.path}: metadata 'engram.format_version' is {meta.get('engram.format_version')!r}, this reader knows {FORMAT_VERSION!r}"
             )
+        if "engram.geometry" not in meta:
+            raise TableFileError(f"{self.path}: metadata 'engram.geometry' is missing")
+        geometry = _json_field(self.path, "engram.geometry", meta["engram.geometry"])
+        self.hashing = _json_field(self.path, "engram.hashing", meta.get("engram.hashing"))
+        self.streams = _json_field(self.path, "engram.streams", meta.get("engram.streams"))
         try:
-            geometry = json.loads(meta["engram.geometry"])
-            self.hashing = json.loads(meta.get("engram.hashing", "null"))
-            self.streams = json.loads(meta.get("engram.streams", "null"))
             self.num_layers = int(geometry["num_layers"])
             self.hidden = int(geometry["hidden"])
             self.rows_per_layer = [int(n) for n in geometry["rows_per_layer"]]
             self.table_dtype = _DTYPES_BY_NAME[geometry["dtype"]]
             self.num_sf_packs = int(geometry["num_sf_packs"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise TableFileError(f"{self.path}: metadata 'engram.geometry' is malformed ({e!r})") from e
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise TableFileError(f"{self.path}: metadata 'engram.geometry' is malformed ({str(e)[:200]!r})") from e
+        if self.num_layers < 0 or self.hidden < 1:
+            raise TableFileError(f"{self.path}: metadata 'engram.geometry' says {self.num_layers} layers of width "
+                                 f"{self.hidden}; expected at least 0 layers of width 1 or more")
         if len(self.rows_per_layer) != self.num_layers:
             raise TableFileError(f"{self.path}: geometry lists {len(self.rows_per_layer)} row counts for {self.num_layers} layers")
         fp8 = self.table_dtype == torch.float8_e4m3fn

@@ -37,7 +37,7 @@ from comfy_api.latest import io
 from ..quant import ComputeConfig, QuantizedTensor, formats, save
 from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, quantize_module
 from . import CATEGORY, NODE_ID_PREFIX
-from .ops import make_fp8_ops
+from .ops import make_fp8_ops, release_workspace_on_unload
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ COMPUTE_PATHS = {"auto": "auto", "fp8 matmul": "fp8", "weight-only": "weight_onl
 ACT_SCALING = {"static": "static", "dynamic per tensor": "dynamic_tensor", "dynamic per row": "dynamic_row"}
 COMPUTE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ROUNDING = ("nearest", "stochastic")
+# On a loaded model (comfy BaseModel): {key: dtype} of the file it came from, so Save FP8 Model can
+# write the weights that are not FP8 in their original dtype (ComfyUI computes in float32 on the CPU).
+SOURCE_DTYPES_ATTR = "fp8_engram_source_dtypes"
 
 
 def _options():
@@ -111,6 +114,15 @@ def _read(folder: str, name: str, cfg: ComputeConfig):
     return path, sd, report, metadata or None
 
 
+def _adopt(patcher, path: str) -> None:
+    """What every model this pack loads carries: its file's dtypes, and the workspace release on unload."""
+    if patcher is None:
+        return
+    header = formats.read_header(path)
+    setattr(patcher.model, SOURCE_DTYPES_ATTR, {k: e.dtype for k, e in header.tensors.items()})
+    release_workspace_on_unload(patcher)
+
+
 def _summary(report: formats.FormatReport, cfg: ComputeConfig) -> dict:
     s = report.summary()
     s["layers_total"] = report.linear_weights
@@ -150,6 +162,7 @@ class LoadFP8DiffusionModel(io.ComfyNode):
         model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, metadata=metadata)
         if model is None:
             raise ValueError(f"diffusion_models/{unet_name}: ComfyUI could not detect the model type of this file")
+        _adopt(model, path)
         return io.NodeOutput(model, ui={"fp8_summary": [_summary(report, cfg)]})
 
 
@@ -187,6 +200,9 @@ class LoadFP8Checkpoint(io.ComfyNode):
             model_options={"custom_operations": ops}, te_model_options={"custom_operations": ops}, metadata=metadata)
         if out is None:
             raise ValueError(f"checkpoints/{ckpt_name}: ComfyUI could not detect the model type of this file")
+        _adopt(out[0], path)
+        if out[1] is not None:
+            release_workspace_on_unload(out[1].patcher)
         return io.NodeOutput(out[0], out[1], out[2], ui={"fp8_summary": [_summary(report, cfg)]})
 
 
@@ -221,6 +237,7 @@ class LoadFP8TextEncoder(io.ComfyNode):
         clip = comfy.sd.load_text_encoder_state_dicts(
             [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
             model_options={"custom_operations": _ops(cfg, patch_rounding)})
+        release_workspace_on_unload(clip.patcher)
         return io.NodeOutput(clip, ui={"fp8_summary": [_summary(report, cfg)]})
 
 
@@ -287,6 +304,7 @@ class QuantizeModelToFP8(io.ComfyNode):
         new, report = quantize_module(diffusion, granularity=granularity, fp8_dtype=fp8_dtype, keep=keep,
                                       progress=_progress_fn())
         out = model.clone()
+        release_workspace_on_unload(out)
         for key, qt in new.items():
             out.add_object_patch("diffusion_model." + key, torch.nn.Parameter(qt, requires_grad=False))
         s = report.summary()
@@ -294,8 +312,12 @@ class QuantizeModelToFP8(io.ComfyNode):
         quality = {"granularity": s["granularity"], "dtype": s["fp8_dtype"], "layers": s["layers_quantized"],
                    "kept": s["layers_kept"], "mean_sqnr_db": s["sqnr_db_mean"], "min_sqnr_db": s["sqnr_db_min"],
                    "worst_layer": worst.name if worst else None}
-        text = report.text()
-        return io.NodeOutput(out, text, _sqnr_plot(report), ui={"fp8_quality": [quality], "text": [text]})
+        # The node shows the worst layers only; the full table is the report output.
+        return io.NodeOutput(out, report.text(), _sqnr_plot(report), ui={"fp8_quality": [quality],
+                                                                       "text": [report.worst_text()]})
+
+
+SAVE_DTYPES = {"as loaded": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class SaveFP8Model(io.ComfyNode):
@@ -310,27 +332,40 @@ class SaveFP8Model(io.ComfyNode):
             description="Saves the diffusion model's weights (FP8 where they are FP8) as a .safetensors file in "
             "the output folder, atomically; an existing file is never replaced (a counter is added). Per-tensor "
             "FP8 files load unchanged in stock ComfyUI's Load Diffusion Model; row- and block-wise files need "
-            "this pack's loader, and the node says so.",
+            "this pack's loader, and the node says so. Weights that are not FP8 keep the dtype of the file they "
+            "were loaded from, or the one picked here.",
             inputs=[io.Model.Input("model", tooltip="The model to save (e.g. from Quantize Model to FP8)."),
                     io.String.Input("filename_prefix", default="fp8/model",
-                                    tooltip="Name (and subfolder) inside the output folder; a counter is appended.")],
+                                    tooltip="Name (and subfolder) inside the output folder; a counter is appended. "
+                                    "Absolute paths and '..' are refused."),
+                    io.Combo.Input("weight_dtype", options=list(SAVE_DTYPES), default="as loaded", optional=True,
+                                   tooltip="Dtype of the weights that are not FP8 (biases, norms, kept layers): as in "
+                                   "the file the model was loaded from (ComfyUI computes in float32 on the CPU, which "
+                                   "would double them), or bfloat16 / float16 / float32.")],
             outputs=[io.String.Output(display_name="path", tooltip="Where the file was written.")],
             is_output_node=True,
         )
 
     @classmethod
-    def execute(cls, model, filename_prefix) -> io.NodeOutput:
+    def execute(cls, model, filename_prefix, weight_dtype="as loaded") -> io.NodeOutput:
         out_dir = folder_paths.get_output_directory()
-        full_folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, out_dir)
+        try:
+            prefix, _ = save.check_output_prefix(filename_prefix, out_dir)
+        except ValueError as exc:
+            raise ValueError(f"Save FP8 Model: {exc}") from None
+        full_folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(prefix, out_dir)
         path = save.unique_path(os.path.join(full_folder, f"{filename}_{counter:05}_.safetensors"))
         # The weights as they are used, patches applied (object patches included), FP8 kept.
         comfy.model_management.load_models_gpu([model], force_full_load=True)
         sd = model.model.diffusion_model.state_dict()
         sd = {k: (v.detach() if not isinstance(v, QuantizedTensor) else v) for k, v in sd.items()}
-        result = save.save_state_dict(sd, path, progress=_progress_fn())
+        source = getattr(model.model, SOURCE_DTYPES_ATTR, None)
+        dtypes, dtype_note = save.plain_dtypes(sd, SAVE_DTYPES[weight_dtype], source)
+        result = save.save_state_dict(sd, path, progress=_progress_fn(), dtypes=dtypes)
         report = formats.inspect_file(result.path)
         where = os.path.relpath(result.path, out_dir)
-        msg = (f"saved output/{where} ({result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} FP8 layers). "
+        msg = (f"saved output/{where}\n{result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} FP8 layers; "
+               f"{dtype_note}.\n"
                + ("Stock ComfyUI's Load Diffusion Model reads it unchanged." if result.stock_comfy_readable else
                   "Stock ComfyUI cannot read its row/block-wise scales: load it with Load FP8 Diffusion Model."))
         summary = report.summary()

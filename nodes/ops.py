@@ -24,6 +24,7 @@ import torch
 
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
+from ..quant.layouts import release_workspace
 
 logger = logging.getLogger(__name__)
 
@@ -159,4 +160,27 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
     return FP8Ops
 
 
-__all__ = ["make_fp8_ops", "move_quantized"]
+_WORKSPACE_CALLBACK_KEY = "fp8_engram.release_workspace"
+
+
+def _release_workspace_on_detach(patcher, unpatch_all=True) -> None:
+    # ComfyUI unloads models on the thread that runs prompts, the thread whose buffers the weight-only
+    # path filled: free them with the model instead of keeping the largest layer's size mapped.
+    release_workspace()
+    logger.debug("released the FP8 dequantization workspace (model unloaded)")
+
+
+def release_workspace_on_unload(patcher) -> None:
+    """Make ComfyUI's unloading of `patcher` (its ModelPatcher: free memory, a model switch) also free
+    the pack's per-thread dequantization buffers. Clones inherit the callback; adding it twice is a no-op."""
+    callbacks = getattr(patcher, "callbacks", None)
+    if callbacks is None or not hasattr(patcher, "add_callback_with_key"):
+        return  # a ComfyUI without model patcher callbacks
+    from comfy.patcher_extension import CallbacksMP
+
+    if _WORKSPACE_CALLBACK_KEY in callbacks.get(CallbacksMP.ON_DETACH, {}):
+        return
+    patcher.add_callback_with_key(CallbacksMP.ON_DETACH, _WORKSPACE_CALLBACK_KEY, _release_workspace_on_detach)
+
+
+__all__ = ["make_fp8_ops", "move_quantized", "release_workspace_on_unload"]

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         result, sqnr = convert_file(args.input, args.output, granularity=args.granularity, fp8_dtype=args.dtype,
                                     keep=keep, block=args.block, stochastic_rounding=args.stochastic_rounding,
                                     overwrite=args.overwrite, progress=progress)
-    except (formats.FormatError, FileExistsError, ValueError) as exc:
+    except (formats.FormatError, ValueError, OSError) as exc:  # OSError: FileExistsError, SaveError (disk full)
         bar.close()
         _say(f"error: {exc}", sys.stderr)
         return 2

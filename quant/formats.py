@@ -77,7 +77,12 @@ UNQUANTIZED = "unquantized"
 
 MARKER = "scaled_fp8"
 QUANT_METADATA_KEY = "_quantization_metadata"
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Bounds on what a file may make the reader parse or allocate before any tensor is touched.
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+MAX_METADATA_JSON_BYTES = 16 * 1024 * 1024  # one JSON value of the header metadata
+MAX_COMFY_QUANT_BYTES = 64 * 1024  # one `.comfy_quant` tensor (a few dozen bytes of JSON in practice)
+MAX_DIMS = 8
+MAX_DIM = 1 << 40
 
 _SCALE_SUFFIXES = (".scale_weight", ".weight_scale_inv", ".weight_scale")
 _INPUT_SCALE_SUFFIXES = (".input_scale", ".scale_input")
@@ -145,10 +150,7 @@ def read_header(path) -> SafetensorsHeader:
             raw = f.read(n)
     except OSError as exc:
         raise FormatError(f"{path}: cannot read the file ({exc})") from exc
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _err(path, None, f"the header is not valid JSON ({exc})", "a safetensors JSON header") from exc
+    header = _loads(path, None, raw, "a safetensors JSON header")
     if not isinstance(header, dict):
         raise _err(path, None, "the header is not a JSON object", "a safetensors JSON header")
 
@@ -161,17 +163,17 @@ def read_header(path) -> SafetensorsHeader:
     for name, info in header.items():
         if not isinstance(info, dict):
             raise _err(path, name, "header entry is not an object", "{dtype, shape, data_offsets}")
-        dtype = ST_DTYPES.get(info.get("dtype"))
+        dtype = ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
         if dtype is None:
-            raise _err(path, name, f"unsupported tensor dtype {info.get('dtype')!r}",
+            raise _err(path, name, f"unsupported tensor dtype {_short(info.get('dtype'))}",
                        "one of " + ", ".join(sorted(ST_DTYPES)))
         shape = info.get("shape")
         offsets = info.get("data_offsets")
-        if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
+        if (not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(s) and 0 <= s <= MAX_DIM for s in shape)
                 or not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[1] < offsets[0]):
-            raise _err(path, name, f"malformed shape {shape!r} or data_offsets {offsets!r}",
-                       "a list of non-negative ints and [begin, end] with begin <= end")
+                or not all(_is_int(o) and o >= 0 for o in offsets) or offsets[1] < offsets[0]):
+            raise _err(path, name, f"malformed shape {_short(shape)} or data_offsets {_short(offsets)}",
+                       f"a list of at most {MAX_DIMS} non-negative ints and [begin, end] with begin <= end")
         entry = TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
         itemsize = torch.empty((), dtype=dtype).element_size()
         want = entry.numel * itemsize
@@ -183,7 +185,42 @@ def read_header(path) -> SafetensorsHeader:
             raise _err(path, name, f"tensor data ends at byte {entry.end} of the data section, which has only "
                        f"{data_size} bytes (truncated file)", f"a file of at least {data_start + entry.end} bytes")
         tensors[name] = entry
+    # Like safetensors itself: tensors tile the data section exactly, without gaps or overlaps.
+    end = 0
+    for entry in sorted(tensors.values(), key=lambda e: (e.start, e.end)):
+        if entry.start != end:
+            what = "overlaps the tensor before it" if entry.start < end else f"leaves a gap of {entry.start - end} bytes"
+            raise _err(path, entry.name, f"data_offsets {[entry.start, entry.end]} {what}",
+                       f"tensors stored back to back (this one starting at byte {end})")
+        end = entry.end
+    if end != data_size:
+        raise _err(path, None, f"{data_size - end} bytes follow the last tensor's data",
+                   "a file that ends with the last tensor (safetensors refuses trailing data)")
     return SafetensorsHeader(path, tensors, dict(metadata), data_start, file_size)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(value, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _loads(path, key, raw, expected: str):
+    """json.loads that turns every way a hostile text can fail (bad UTF-8, bad JSON, nesting deeper
+    than Python's recursion limit, integers too long to convert) into a FormatError."""
+    try:
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8")
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _err(path, key, f"not valid JSON ({exc})", expected) from exc
+    except RecursionError:
+        raise _err(path, key, "JSON nested too deeply", expected) from None
+    except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
+        raise _err(path, key, f"unreadable JSON ({str(exc)[:200]})", expected) from None
 
 
 class _LazyReader:
@@ -348,10 +385,10 @@ def _check_scale_values(path, key: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _parse_json_metadata(path, key: str, text: str, what: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _err(path, key, f"metadata is not valid JSON ({exc})", what) from exc
+    if len(text) > MAX_METADATA_JSON_BYTES:
+        raise _err(path, key, f"metadata value is {len(text):,} characters long",
+                   f"at most {MAX_METADATA_JSON_BYTES:,} ({what})")
+    return _loads(path, key, text, what)
 
 
 def _layer_name(weight_key: str) -> str:
@@ -407,8 +444,8 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
             if not isinstance(entry, dict):
                 raise _err(path, f"{mk}.layers.{name}", f"layer entry is {type(entry).__name__} {entry!r}, not an object",
                            '{"format": "float8_e4m3fn"} (the plain-string form crashes ComfyUI 0.3.75)')
-            if entry.get("format") not in FP8_BY_NAME:
-                raise _err(path, f"{mk}.layers.{name}", f"unsupported layer format {entry.get('format')!r}",
+            if not isinstance(entry.get("format"), str) or entry.get("format") not in FP8_BY_NAME:
+                raise _err(path, f"{mk}.layers.{name}", f"unsupported layer format {_short(entry.get('format'))}",
                            "'float8_e4m3fn' or 'float8_e5m2'")
             meta_layers[name] = entry
 
@@ -424,7 +461,7 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
             raise _err(path, "__metadata__.quantization_config", f"quantization method {method!r} is not FP8",
                        "an FP8 quantization_config")
         wbs = qc.get("weight_block_size")
-        if isinstance(wbs, list) and len(wbs) == 2 and all(isinstance(v, int) and v > 0 for v in wbs):
+        if isinstance(wbs, list) and len(wbs) == 2 and all(_is_int(v) and 0 < v <= MAX_DIM for v in wbs):
             block_hint = (wbs[0], wbs[1])
 
     # ---- orphan scales / comfy_quant entries
@@ -464,23 +501,27 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
         hint = block_hint
         if has_cq:
             source = COMFY_METADATA if in_meta else COMFY_PER_LAYER  # files may carry both forms
-            raw = rd.get(cq_key)
             expected = 'uint8 bytes of a JSON object like {"format": "float8_e4m3fn"}'
-            if raw.dtype != torch.uint8 or raw.dim() != 1:
-                raise _err(path, cq_key, f"comfy_quant tensor has dtype {raw.dtype} and shape {list(raw.shape)}", expected)
-            try:
-                cq = json.loads(bytes(raw.tolist()).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise _err(path, cq_key, f"comfy_quant bytes are not JSON ({exc})", expected) from exc
-            if not isinstance(cq, dict) or cq.get("format") not in FP8_BY_NAME:
-                raise _err(path, cq_key, f"comfy_quant says {cq!r}", "an object with format 'float8_e4m3fn' or 'float8_e5m2'")
+            ce = T[cq_key]
+            if ce.dtype != torch.uint8 or len(ce.shape) != 1:
+                raise _err(path, cq_key, f"comfy_quant tensor has dtype {_fp8_name(ce.dtype)} and shape {list(ce.shape)}",
+                           expected)
+            if ce.nbytes > MAX_COMFY_QUANT_BYTES:
+                raise _err(path, cq_key, f"comfy_quant tensor holds {ce.nbytes:,} bytes",
+                           f"at most {MAX_COMFY_QUANT_BYTES:,} bytes of JSON")
+            raw = rd.get(cq_key)
+            cq = _loads(path, cq_key, raw.numpy().tobytes(), expected)
+            if not isinstance(cq, dict) or not isinstance(cq.get("format"), str) or cq["format"] not in FP8_BY_NAME:
+                raise _err(path, cq_key, f"comfy_quant says {_short(cq)}", "an object with format 'float8_e4m3fn' or 'float8_e5m2'")
             if FP8_BY_NAME[cq["format"]] != e.dtype:
                 raise _err(path, cq_key, f"comfy_quant format {cq['format']} but the weight is {_fp8_name(e.dtype)}",
                            "the format to match the weight's dtype")
             full_precision_mm = bool(cq.get("full_precision_matrix_mult", False))
             bs = cq.get("block_size")
-            if isinstance(bs, list) and len(bs) == 2:
-                hint = (int(bs[0]), int(bs[1]))
+            if bs is not None:
+                if not (isinstance(bs, list) and len(bs) == 2 and all(_is_int(v) and 0 < v <= MAX_DIM for v in bs)):
+                    raise _err(path, cq_key, f"comfy_quant block_size is {_short(bs)}", "[rows, cols] of positive ints")
+                hint = (bs[0], bs[1])
             extra.append(cq_key)
             if ".weight_scale" not in present:
                 raise _err(path, name + ".weight_scale", "missing scale for a quantized weight (comfy_quant present)",

@@ -77,12 +77,24 @@ def keep_reason(name: str, keep: Iterable[str]) -> str | None:
     return None
 
 
+_SQNR_CHUNK = 1 << 20  # elements per float64 slice: the measurement never needs a float64 copy of a layer
+
+
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - approx.double()).norm()
-    if float(err) == 0.0:
+    """20*log10(||ref|| / ||ref - approx||), accumulated in float64 over slices of 1M elements."""
+    a = ref.detach().reshape(-1)
+    b = approx.detach().reshape(-1)
+    if a.numel() != b.numel():
+        raise ValueError(f"sqnr_db: {a.numel()} reference values but {b.numel()} approximations")
+    signal = 0.0
+    noise = 0.0
+    for start in range(0, a.numel(), _SQNR_CHUNK):
+        x = a[start:start + _SQNR_CHUNK].double()
+        signal += float(x.square().sum())
+        noise += float((x - b[start:start + _SQNR_CHUNK].double()).square().sum())
+    if noise == 0.0:
         return math.inf
-    return float(20 * torch.log10(ref.norm() / err))
+    return 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
 @dataclass
@@ -129,6 +141,21 @@ class QuantizeReport:
         return "\n".join(lines)
 
 
+    def worst_text(self, count: int = 5) -> str:
+        """The summary line and the `count` quantized layers with the lowest SQNR (what a node shows; the
+        full per-layer table is `text()`)."""
+        s = self.summary()
+        lines = [f"FP8 {s['fp8_dtype']}, {s['granularity']}: {s['layers_quantized']} quantized, {s['layers_kept']} kept",
+                 f"SQNR min {s['sqnr_db_min']} dB, mean {s['sqnr_db_mean']} dB"]
+        ranked = sorted((l for l in self.quantized if l.sqnr_db is not None), key=lambda l: l.sqnr_db)
+        if ranked:
+            lines.append(f"worst {min(count, len(ranked))} of {len(ranked)}:")
+            lines += [f"{l.sqnr_db:6.2f} dB  {l.name}" for l in ranked[:count]]
+        if len(ranked) > count:
+            lines.append(f"(all {len(self.layers)} layers: the report output)")
+        return "\n".join(lines)
+
+
 def quantize_weight(w: torch.Tensor, layout, fp8_dtype, *, orig_dtype=None, stochastic_rounding=None, config=None):
     """One weight -> (QuantizedTensor, SQNR dB against the float64 original)."""
     from .tensor import QuantizedTensor
@@ -149,8 +176,13 @@ def is_linear_weight(key: str, t) -> bool:
 def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tensor", fp8_dtype="e4m3fn",
                         keep: Iterable[str] = DEFAULT_KEEP, block: tuple[int, int] = (128, 128),
                         stochastic_rounding: int | None = None, progress: ProgressFn | None = None,
-                        config=None) -> tuple[dict[str, torch.Tensor], QuantizeReport]:
-    """Return a new state dict with FP8 QuantizedTensor linear weights, and the per-layer report."""
+                        config=None, release_source: bool = False) -> tuple[dict[str, torch.Tensor], QuantizeReport]:
+    """Return a new state dict with FP8 QuantizedTensor linear weights, and the per-layer report.
+
+    With `release_source`, every entry is removed from `sd` as soon as it has been handled, so a
+    full-precision weight that nothing else holds is freed right after it is quantized (peak memory:
+    the model plus one layer's temporaries, instead of the model plus all its FP8 copies).
+    """
     fp8 = fp8_dtype_from_name(fp8_dtype)
     layout = make_layout(granularity, block)
     keep = tuple(keep)
@@ -159,7 +191,7 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
     out: dict[str, torch.Tensor] = {}
     keys = list(sd)
     for i, key in enumerate(keys):
-        t = sd[key]
+        t = sd.pop(key) if release_source else sd[key]
         if is_linear_weight(key, t):
             name = key[: -len(".weight")]
             why = keep_reason(name, keep)
@@ -173,6 +205,7 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
                 report.layers.append(LayerQuality(name, tuple(t.shape), False, None, why))
         else:
             out[key] = t
+        del t
         if progress is not None:
             progress(i + 1, len(keys))
     return out, report

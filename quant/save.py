@@ -16,11 +16,15 @@ target folder, then move into place; an existing file is never replaced unless `
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import re
+import shutil
 import struct
+import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -85,12 +89,74 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
+class SaveError(OSError):
+    """Writing a file failed (disk full, permissions, I/O error). The message names the file and says
+    that nothing was left under its name; `errno` is the operating system's error number."""
+
+
+def check_output_prefix(filename_prefix: str, output_dir) -> tuple[str, str]:
+    """Validate a user's `folder/name` prefix for a file inside `output_dir`.
+
+    Returns (the prefix as a clean relative `folder/name`, the absolute folder it names). Raises
+    ValueError for prefixes that try to leave the folder: absolute paths, drive letters, `..`
+    components, NUL bytes, or a folder that resolves (through symlinks) outside `output_dir`.
+    """
+    text = str(filename_prefix).strip()
+    shown = repr(text) if len(text) <= 200 else repr(text[:200] + "...")
+    if "\0" in text:
+        raise ValueError(f"filename_prefix {shown} contains a NUL byte")
+    if text.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", text) or os.path.isabs(text):
+        raise ValueError(f"filename_prefix {shown} is an absolute path; it must stay inside the output folder "
+                         "(give a relative name such as 'fp8/model')")
+    parts = [p for p in re.split(r"[\\/]+", text) if p not in ("", ".")]
+    if ".." in parts:
+        raise ValueError(f"filename_prefix {shown} uses '..'; it must stay inside the output folder "
+                         "(give a relative name such as 'fp8/model')")
+    if not parts or re.split(r"[\\/]+", text)[-1] in ("", "."):
+        raise ValueError(f"filename_prefix {shown} has no file name; expected e.g. 'fp8/model'")
+    root = os.path.realpath(os.fspath(output_dir))
+    folder = os.path.join(root, *parts[:-1])
+    real = os.path.realpath(folder)
+    if os.path.commonpath([root, real]) != root:
+        raise ValueError(f"filename_prefix {shown} leads outside the output folder (through a link to {real})")
+    return "/".join(parts), folder
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_failed(path: str, exc: OSError, written: int, total: int, existed: bool) -> SaveError:
+    why = exc.strerror or str(exc)
+    if exc.errno == errno.ENOSPC:
+        why += " (the disk is full)"
+    before = "the file that was there is unchanged" if existed else "no file was created"
+    return SaveError(exc.errno or errno.EIO,
+                     f"{path}: writing failed after {written:,} of {total:,} bytes: {why}; the partial "
+                     f"temporary file was removed and {before}")
+
+
 def write_safetensors(path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], get: Callable[[str], torch.Tensor],
                       metadata: dict[str, str] | None = None, *, overwrite: bool = False,
                       progress: ProgressFn | None = None) -> int:
     """Stream tensors into a safetensors file. `entries` fixes names, dtypes and shapes up front (the
     header comes first); `get(name)` produces each tensor when its turn comes, so only one tensor at a
-    time needs to exist in memory. Returns the file size."""
+    time needs to exist in memory. Returns the file size.
+
+    The bytes go to a temporary file in the target folder, which is renamed into place only when
+    complete and flushed to disk. Without `overwrite` an existing file is never replaced. A failing
+    write (disk full, I/O error) raises `SaveError` naming the file; the temporary file is removed
+    and whatever was under the final name before is untouched.
+    """
     path = os.fspath(path)
     if not overwrite and os.path.exists(path):
         raise FileExistsError(f"{path}: file exists; refusing to overwrite it (choose another name)")
@@ -106,32 +172,64 @@ def write_safetensors(path, entries: list[tuple[str, torch.dtype, tuple[int, ...
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
+    total = 8 + len(raw) + offset
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    existed = os.path.exists(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for i, (name, dtype, shape) in enumerate(entries):
-                t = get(name)
-                if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                    raise ValueError(f"{path}: tensor '{name}' is {t.dtype} {list(t.shape)}, planned {dtype} {list(shape)}")
-                if t.numel():
-                    f.write(_as_bytes(t))
-                if progress is not None:
-                    progress(i + 1, len(entries))
-            f.flush()
-            os.fsync(f.fileno())
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # fails if a file appeared meanwhile: never replace silently
-            os.unlink(tmp)
+        os.makedirs(folder, exist_ok=True)
+        free = shutil.disk_usage(folder).free
+    except OSError as exc:
+        raise _write_failed(path, exc, 0, total, existed) from exc
+    if free < total:
+        raise SaveError(errno.ENOSPC, f"{path}: the file needs {total / 2**20:,.2f} MiB but only {free / 2**20:,.2f} MiB "
+                        f"are free in {folder}; nothing was written")
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    written = 0
+    try:
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(struct.pack("<Q", len(raw)))
+                f.write(raw)
+                written = 8 + len(raw)
+                for i, (name, dtype, shape) in enumerate(entries):
+                    t = get(name)
+                    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                        raise ValueError(f"{path}: tensor '{name}' is {t.dtype} {list(t.shape)}, planned {dtype} {list(shape)}")
+                    if t.numel():
+                        written += f.write(_as_bytes(t))
+                    if progress is not None:
+                        progress(i + 1, len(entries))
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; saved models are ordinary files
+            if overwrite:
+                os.replace(tmp, path)
+            else:
+                try:
+                    os.link(tmp, path)  # fails if a file appeared meanwhile: never replace silently
+                except FileExistsError:
+                    raise
+                except OSError:  # a filesystem without hard links
+                    if os.path.exists(path):
+                        raise FileExistsError(f"{path}: file exists; refusing to overwrite it") from None
+                    os.replace(tmp, path)
+        except OSError as exc:
+            if isinstance(exc, (FileExistsError, SaveError)):
+                raise
+            raise _write_failed(path, exc, written, total, existed) from exc
     finally:
-        if os.path.exists(tmp):
+        try:
             os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    _fsync_dir(folder)
     return os.path.getsize(path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @dataclass
@@ -151,8 +249,11 @@ def _qinfo(value):
     return value.qdata.dtype, tuple(value.shape), value.layout, getattr(value, "input_scale", None) is not None
 
 
-def plan_tensors(state_dict: dict, *, comfy_quant: bool = True):
+def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str, torch.dtype] | None = None):
     """Split a state dict with QuantizedTensor (or PendingQuantized) weights into the keys a file holds.
+
+    `dtypes` maps keys of plain (not quantized) tensors to the dtype they are written in (cast one
+    tensor at a time while writing); keys not in it keep their dtype.
 
     Returns (entries, producers, metadata, info); producers maps key -> zero-arg callable. The tensors
     of one quantized layer are produced in a row, so a one-slot cache makes each pending layer once.
@@ -187,7 +288,11 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True):
         if key not in quantized:
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"state dict entry '{key}' is a {type(value).__name__}, not a tensor")
-            add(key, (lambda v=value: v), value.dtype, value.shape)
+            want = (dtypes or {}).get(key, value.dtype)
+            if want != value.dtype:
+                add(key, (lambda v=value, d=want: v.detach().to(d)), want, value.shape)
+            else:
+                add(key, (lambda v=value: v), value.dtype, value.shape)
             continue
         if not key.endswith(".weight"):
             raise ValueError(f"quantized tensor '{key}' is not a '.weight'; only linear weights can be stored quantized")
@@ -231,14 +336,71 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True):
     return entries, producers, metadata, info
 
 
+_SOURCE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
+_FLOAT_WRITE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def plain_dtypes(state_dict: dict, choice: torch.dtype | None = None,
+                 source: dict[str, torch.dtype] | None = None) -> tuple[dict[str, torch.dtype], str]:
+    """Which dtype each plain (not quantized) floating tensor of `state_dict` is written in.
+
+    `choice` a float dtype: every plain floating tensor in it (float8 tensors without a scale stay as
+    they are). `choice` None ("as loaded"): each tensor's dtype in `source`, the dtypes of the file the
+    model was loaded from (keys matched with or without a `model.diffusion_model.` style prefix); a key
+    the file does not have takes the file's most common float dtype; without a source, tensors keep
+    their in-memory dtype. A float8 source dtype is used only when the values fit it.
+    Returns ({key: dtype}, a short description for the user).
+    """
+    plain = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor) and not is_quantized(v)
+             and v.dtype in _FLOAT_WRITE_DTYPES}
+    if choice is not None:
+        if choice not in _FLOAT_WRITE_DTYPES:
+            raise ValueError(f"cannot write plain tensors as {choice}; expected one of {_FLOAT_WRITE_DTYPES}")
+        if choice == torch.float16:
+            fmax = torch.finfo(torch.float16).max
+            for k, v in plain.items():
+                if v.numel() and float(v.detach().abs().amax()) > fmax:
+                    raise ValueError(f"tensor '{k}' holds values beyond float16's range ({fmax:g}); "
+                                     "save it as bfloat16 or float32")
+        return {k: choice for k in plain}, f"non-FP8 tensors written as {str(choice).removeprefix('torch.')}"
+    if not source:
+        names = sorted({str(v.dtype).removeprefix("torch.") for v in plain.values()})
+        return {}, (f"non-FP8 tensors written as in memory ({', '.join(names) or '-'}); the source file's dtypes "
+                    "are unknown for a model this pack did not load")
+    lookup: dict[str, torch.dtype] = {}
+    for key, dtype in source.items():
+        lookup.setdefault(key, dtype)
+        for prefix in _SOURCE_PREFIXES:
+            if key.startswith(prefix):
+                lookup.setdefault(key[len(prefix):], dtype)
+    counts: dict[torch.dtype, int] = {}
+    for dtype in source.values():
+        if dtype in _FLOAT_WRITE_DTYPES:
+            counts[dtype] = counts.get(dtype, 0) + 1
+    common = max(counts, key=counts.get) if counts else None
+    out: dict[str, torch.dtype] = {}
+    for k, v in plain.items():
+        want = lookup.get(k, common)
+        if want is None:
+            continue
+        if want in (torch.float8_e4m3fn, torch.float8_e5m2):
+            fits = v.numel() == 0 or float(v.detach().abs().amax()) <= torch.finfo(want).max
+            want = want if fits else (common or v.dtype)
+        out[k] = want
+    names = sorted({str(d).removeprefix("torch.") for d in out.values()})
+    return out, f"non-FP8 tensors written as loaded ({', '.join(names) or '-'})"
+
+
 def save_state_dict(state_dict: dict[str, torch.Tensor], path, *, metadata: dict[str, str] | None = None,
-                    overwrite: bool = False, comfy_quant: bool = True, progress: ProgressFn | None = None) -> SaveResult:
-    """Save a state dict whose quantized weights are QuantizedTensors (see the module docstring)."""
-    entries, producers, meta, info = plan_tensors(state_dict, comfy_quant=comfy_quant)
+                    overwrite: bool = False, comfy_quant: bool = True, progress: ProgressFn | None = None,
+                    dtypes: dict[str, torch.dtype] | None = None) -> SaveResult:
+    """Save a state dict whose quantized weights are QuantizedTensors (see the module docstring).
+    `dtypes`: the dtype to write each plain tensor in (see `plan_tensors`)."""
+    entries, producers, meta, info = plan_tensors(state_dict, comfy_quant=comfy_quant, dtypes=dtypes)
     if metadata:
         meta = {**metadata, **meta}
     size = write_safetensors(path, entries, lambda name: producers[name](), meta, overwrite=overwrite, progress=progress)
     return SaveResult(os.fspath(path), size, info["layers"], info["granularities"], info["stock"], info["notes"])
 
 
-__all__ = ["PendingQuantized", "SaveResult", "save_state_dict", "write_safetensors", "plan_tensors", "unique_path", "is_quantized", "layout_kind"]
+__all__ = ["PendingQuantized", "SaveError", "SaveResult", "check_output_prefix", "plain_dtypes", "save_state_dict", "write_safetensors", "plan_tensors", "unique_path", "is_quantized", "layout_kind"]
