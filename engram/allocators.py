@@ -5,11 +5,16 @@
   fetch can gather every requested row with a single `index_select` over all shards (`unified`). Each
   creator unlinks its file as soon as every rank has mapped it: from then on nothing is left behind,
   whichever process dies. One-rank groups use plain memory.
-* CUDA: torch symmetric memory (`torch.distributed._symmetric_memory`), every peer's buffer mapped
-  through its handle. The group only has to be a `ProcessGroup` that torch can find by its name (any
-  backend: the rendezvous exchanges handles through the group's store and a Unix socket, not through
-  collectives); EngramGroup uses a private gloo-backed group, so ranks may share one GPU (NCCL refuses
-  two ranks on one device). Ranks sharing a GPU need TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1.
+* CUDA (default, `cuda_ipc_allocator`): each rank allocates its shard with torch's ordinary CUDA
+  allocator and hands every peer a CUDA IPC handle of it through one all-gather of the group (any
+  backend; EngramGroup uses a private gloo group, so ranks may share one GPU). Why not torch's
+  symmetric memory, which the engine used first: its rendezvous keeps one process-wide exchange counter
+  that every rendezvous in the process advances, so a second group's fresh workers start at 0 while the
+  host is ahead and the rendezvous hangs (pytorch issue 196082). An exchange of our own has no state
+  outside the group, so groups of any size and rank count may come and go in one process, several at
+  once, and ranks sharing a GPU need no environment variable. The one-pass gather (gather_triton.py)
+  needs only each shard's address in the fetching process, which IPC gives as well.
+  `symmetric_memory_allocator` stays available for callers that pass it explicitly.
 
 An allocator is `(group, num_bytes, device) -> ShardMemory`. Collectives are issued on the process
 group object itself (`group.allgather(...)`), so a group made without `init_process_group` works too.
@@ -281,8 +286,64 @@ def symmetric_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device:
     return ShardMemory(local=local, peers=peers, unified=None, stride=0, keepalive=(handle, local))
 
 
+# ----- CUDA: plain device memory shared through CUDA IPC (the default) -----
+
+
+def cuda_ipc_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.device) -> ShardMemory:
+    """CUDA shard buffers from torch's allocator, every peer's buffer opened through CUDA IPC.
+
+    Each rank allocates its shard on its own GPU, exports one IPC handle per peer (torch's
+    `reduce_tensor`, so torch's producer/consumer reference counts stay balanced: one export per
+    opener), and the handles travel through one all-gather of the group; each rank opens every peer's
+    handle (`rebuild_cuda_tensor`; peer access is enabled for shards on other GPUs). Nothing here is
+    process-wide state that a later group could find out of step: a fresh group starts from scratch,
+    whoever else lives in the process. Ranks may share a GPU without any setting.
+
+    Release order matters for the memory to come back: every opener drops its views (closing the
+    mapping and decrementing the owner's count) before the owner drops its shard; an owner's shard
+    still counted as open stays in torch's IPC limbo until `torch.cuda.ipc_collect()`.
+    """
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"the CUDA IPC allocator serves CUDA buffers, not {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    rank, num_ranks = group.rank(), group.size()
+    local = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+    if num_ranks == 1:
+        return ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes)
+    torch.cuda.synchronize(device)  # the zeros are in place before any peer reads them
+    exports = [None if peer == rank else reduce_tensor(local)[1] for peer in range(num_ranks)]
+    coll = collective_device(group, device)
+    gathered = all_gather_object(group, exports, coll)
+    peers: list[torch.Tensor] = []
+    try:
+        for peer in range(num_ranks):
+            if peer == rank:
+                peers.append(local)
+                continue
+            try:
+                view = rebuild_cuda_tensor(*gathered[peer][rank])
+            except Exception as e:
+                raise RuntimeError(f"rank {rank} could not open the CUDA shard of rank {peer} through CUDA IPC: {type(e).__name__}: {e}") from e
+            if view.dtype != torch.uint8 or view.numel() != num_bytes:
+                raise RuntimeError(f"rank {peer}'s CUDA shard arrived as {view.dtype} x {view.numel()}, expected {num_bytes} bytes")
+            peers.append(view)
+    except BaseException:
+        peers.clear()
+        raise
+
+    def release() -> None:
+        # Opened peers first (closing the mappings), then this rank's own shard.
+        peers.clear()
+
+    return ShardMemory(local=local, peers=list(peers), unified=None, stride=0, keepalive=peers, _release=release)
+
+
 def default_allocator(device: torch.device) -> ShardAllocator:
-    return symmetric_memory_allocator if torch.device(device).type == "cuda" else shared_memory_allocator
+    return cuda_ipc_allocator if torch.device(device).type == "cuda" else shared_memory_allocator
 
 
 def leftover_segments(pid: int | None = None) -> list[str]:

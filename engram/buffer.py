@@ -16,14 +16,21 @@ Contract (the one of DeepEP's `EngramBuffer`, see shared/DESIGN.md, engine secti
   row-major (strides `(entries * num_sf_packs, 1)`). Negative or out-of-range ids give zero data and
   zero scale factors. Ranks fetch independently: no collective per fetch.
 
-Gather: when every shard is mapped into one virtual range (CPU shared memory, and any one-rank group),
-global ids are turned into row numbers of that range with integer arithmetic and ALL rows are gathered
-by one `index_select` straight into the output (each row moved once; invalid ids read a zero row kept
-in the layout). Otherwise (CUDA symmetric memory, where each peer's shard is its own mapping) the CPU
-path groups ids by owner (one select per peer over only its ids); the CUDA path uses fixed-shape device
-ops only (no host sync, CUDA-graph safe): per peer one select of all ids in which foreign and invalid ids
-read that peer's zero row (an L2 hit, so each requested row crosses the link once), into a stack
-`[ranks, n, row]`, then one select that picks each id's row from its owner's slice of the stack.
+Gather modes (`gather_mode`):
+
+* "triton" (the default on CUDA): one Triton kernel per fetch (gather_triton.py) over a device table of
+  the shards' base addresses: every requested row of every layer is read once from its owner's shard
+  and written once into the output, scale factors straight into the requested layout, zeros for
+  invalid ids; no host sync, CUDA-graph capturable; ranks on one GPU or on several use the same code.
+  Forced on CPU buffers it runs in Triton's interpreter (tests of the indexing).
+* "unified" (the default on the CPU): every shard is mapped into one virtual range (CPU shared memory,
+  any one-rank group), global ids become row numbers of that range with integer arithmetic, and ALL
+  rows are gathered by one `index_select` straight into the output (invalid ids read a zero row kept in
+  the layout).
+* "grouped" (CPU, shards in separate mappings): one select per peer over only its ids.
+* "fixed_shape" (CUDA without Triton): fixed-shape device ops only: per peer one select of all ids in
+  which foreign and invalid ids read that peer's zero row, into a stack `[ranks, n, row]`, then one
+  select that picks each id's row from its owner's slice.
 """
 
 from __future__ import annotations
@@ -110,6 +117,14 @@ class ShardLayout:
         return ShardLayout(tuple(rows_per_layer), row_bytes, sf_row_bytes, tuple(table_offsets), zero_row_offset, tuple(sf_offsets), zero_sf_offset, total)
 
 
+def _triton_available() -> bool:
+    try:
+        from . import gather_triton
+    except ImportError:
+        return False
+    return gather_triton.available()
+
+
 def _make_hook(result: object) -> Callable[[], object]:
     def hook() -> object:
         return result
@@ -146,8 +161,8 @@ class LocalEngramBuffer:
         if hidden * dtype.itemsize % ROW_ALIGNMENT_BYTES:
             raise ValueError(f"a row of {hidden} {dtype} values is {hidden * dtype.itemsize} bytes, not a multiple of {ROW_ALIGNMENT_BYTES}")
 
-        if gather not in (None, "unified", "fixed_shape", "grouped"):
-            raise ValueError(f"gather must be None, 'unified', 'fixed_shape' or 'grouped', got {gather!r}")
+        if gather not in (None, "triton", "unified", "fixed_shape", "grouped"):
+            raise ValueError(f"gather must be None, 'triton', 'unified', 'fixed_shape' or 'grouped', got {gather!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = torch.device(device)
@@ -176,18 +191,22 @@ class LocalEngramBuffer:
             raise RuntimeError("the shard allocator returned buffers that do not fit the layout")
         self._memory = memory
         self._build_views()
-        # How fetch gathers: "unified" (one select over one address range), "fixed_shape" (no host sync,
-        # CUDA-graph safe; the default on CUDA) or "grouped" (CPU only: one select per peer over its ids).
-        # `gather` forces a mode (tests run the fixed-shape path on CPU ranks with it).
+        # How fetch gathers (see the module docstring); `gather` forces a mode (tests run the Triton
+        # kernel in the interpreter and the fixed-shape path on CPU ranks with it).
         if gather is None:
-            gather = "unified" if self._unified else ("fixed_shape" if self.device.type == "cuda" else "grouped")
-        if (gather == "unified" and not self._unified) or (gather == "grouped" and self.device.type != "cpu"):
+            if self.device.type == "cuda":
+                gather = "triton" if _triton_available() else "fixed_shape"
+            else:
+                gather = "unified" if self._unified else "grouped"
+        if (gather == "unified" and not self._unified) or (gather == "grouped" and self.device.type != "cpu") or (gather == "triton" and not _triton_available()):
             self.destroy()
             raise ValueError(
                 f"gather={gather!r} is not possible here: 'unified' needs every shard in one address range (CPU shared memory or one rank), "
-                f"'grouped' serves CPU buffers only (buffer on {self.device})"
+                f"'grouped' serves CPU buffers only (buffer on {self.device}), 'triton' needs Triton installed"
             )
         self.gather_mode = gather
+        if gather == "triton":
+            self._build_kernel_tables()
         barrier(group, self._coll_device, self.device)
 
     # ----- setup -----
@@ -245,6 +264,37 @@ class LocalEngramBuffer:
                 self._seg_sf_rows = stride // layout.sf_row_bytes
                 self._zero_sf_row = layout.zero_sf_offset // layout.sf_row_bytes
 
+    def _build_kernel_tables(self) -> None:
+        """Device tables of the one-pass kernel: shard base addresses, and per layer (rows, offsets)."""
+        layout = self.layout
+        self._bases = torch.tensor([p.data_ptr() for p in self._memory.peers], dtype=torch.int64).to(self.device)
+        sf_offsets = layout.sf_offsets if self.use_fp8 else (0,) * self.num_layers
+        meta = [[n, layout.table_offsets[l], sf_offsets[l]] for l, n in enumerate(self.num_entries_per_layer)]
+        self._meta = torch.tensor(meta, dtype=torch.int64).to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _launch(self, ids: torch.Tensor, meta: torch.Tensor, out: torch.Tensor, sf_out: torch.Tensor | None, entries: int, sf_strides: tuple[int, int, int]) -> None:
+        from .gather_triton import gather_rows
+
+        layers = ids.shape[0]
+        kwargs = dict(
+            num_ranks=self.num_ranks,
+            row_words=self.layout.row_bytes // 4,
+            sf_words=self.num_sf_packs,
+            entries=entries,
+            sf_layer_stride=sf_strides[0],
+            sf_stride_t=sf_strides[1],
+            sf_stride_j=sf_strides[2],
+        )
+        words = out.view(torch.uint8).view(torch.int32).view(layers, ids.shape[1], -1)
+        sf_words = sf_out.view(torch.int32) if sf_out is not None else None
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                gather_rows(ids, self._bases, meta, words, sf_words, **kwargs)
+        else:
+            gather_rows(ids, self._bases, meta, words, sf_words, **kwargs)
+
     def _check_alive(self) -> None:
         if self._memory is None:
             raise RuntimeError("this LocalEngramBuffer has been destroyed")
@@ -257,6 +307,7 @@ class LocalEngramBuffer:
         self._tables = self._sfs = []
         self._peer_rows = self._peer_sf_rows = []
         self._all_rows = self._all_sfs = None
+        self._bases = self._meta = None
         if memory is not None:
             memory.release()
 
@@ -334,7 +385,26 @@ class LocalEngramBuffer:
             else:
                 sf_layer_stride = sf_width * num_tokens
                 sf_strides = (sf_width, 1)
-            sf_backing = torch.zeros((num_layers, sf_layer_stride), dtype=self.sf_dtype, device=self.device)
+            if self.gather_mode == "triton":
+                # The kernel writes every scale; only the TMA padding tokens need zeros.
+                sf_backing = torch.empty((num_layers, sf_layer_stride), dtype=self.sf_dtype, device=self.device)
+                if use_tma_aligned_col_major_sf and mn_stride > num_tokens:
+                    sf_backing.view(num_layers, sf_width, mn_stride)[:, :, num_tokens:].zero_()
+            else:
+                sf_backing = torch.zeros((num_layers, sf_layer_stride), dtype=self.sf_dtype, device=self.device)
+
+        if self.gather_mode == "triton":
+            # One launch for every layer: rows and scale factors land in their final places.
+            sf_arg = sf_backing if self.use_fp8 else None
+            sf_arg_strides = (sf_layer_stride, sf_strides[0], sf_strides[1]) if self.use_fp8 else (0, 0, 0)
+            self._launch(indices.view(num_layers, n), self._meta, data, sf_arg, entries, sf_arg_strides)
+            results = []
+            for layer in range(num_layers):
+                if self.use_fp8:
+                    results.append((data[layer], sf_backing.as_strided((num_tokens, sf_width), sf_strides, layer * sf_layer_stride)))
+                else:
+                    results.append(data[layer])
+            return [_make_hook(r) for r in results]
 
         results: list[object] = []
         for layer in range(num_layers):
@@ -455,7 +525,11 @@ class LocalEngramBuffer:
         out = torch.empty((k, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
         sf = torch.empty((k, self.layout.sf_row_bytes), dtype=torch.uint8, device=self.device) if self.use_fp8 else None
         ids = rows.to(self.device, torch.int64)
-        self._gather(layer, ids, out, sf)
+        if self.gather_mode == "triton":
+            packs = self.num_sf_packs
+            self._launch(ids.view(1, k), self._meta[layer : layer + 1], out, sf, 1, (0, packs, 1))
+        else:
+            self._gather(layer, ids, out, sf)
         data = out.view(self.dtype).view(k, self.hidden)
         return data, (sf.view(self.sf_dtype).view(k, self.num_sf_packs) if sf is not None else None)
 

@@ -2,18 +2,26 @@
 
 The host process (ComfyUI's) is rank 0. It starts one worker per further rank with `sys.executable`
 running engram/worker.py (never multiprocessing spawn), forms a private process group on loopback
-(gloo; on CUDA a gloo-backed group registered under a unique name, never torch.distributed's default
-group, which stays free for ComfyUI or other packs), and every rank allocates its shard in memory every
-rank maps (shared memory on the CPU, symmetric memory on CUDA). CUDA rank r runs on GPU
-r % device_count; when ranks share a GPU, TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 is set in the host's
-environment (and so the workers') before the first rendezvous. Fetches, reads and writes then run in the host alone, touching
-peers' shards directly: no collective and no message per call. Workers only hold their memory and load
-their own row ranges of table files.
+(gloo, never torch.distributed's default group, which stays free for ComfyUI or other packs), and
+every rank allocates its shard in memory every rank maps (shared memory on the CPU; on CUDA plain device
+memory opened by every peer through CUDA IPC, see allocators.py). CUDA rank r runs on GPU
+r % device_count; ranks sharing a GPU need no setting. Fetches, reads and writes then run in the host
+alone, touching peers' shards directly: no collective and no message per call (on CUDA one Triton
+kernel per fetch, see gather_triton.py). Workers only hold their memory and load their own row ranges
+of table files.
+
+Any number of groups may live in one process, one after another or at once, of any size, rank count
+and device: each has its own workers, store and gloo group, and its shard exchange keeps no state
+outside the group (unlike torch's symmetric memory, whose process-wide exchange counter made a second
+CUDA group's rendezvous hang).
 
 Supervision: every call first checks that each worker is alive; a dead worker raises EngramWorkerError
 (rank and exit code), and every command to workers waits with a deadline while watching the process,
-so nothing hangs. Workers die with the host (PR_SET_PDEATHSIG, a parent-pid watchdog, EOF on their
-control socket). `close()` shuts them down and waits; it also runs at interpreter exit.
+so nothing hangs. `alive` and `check()` are the cheap health checks (a poll of each worker process).
+Workers die with the host (PR_SET_PDEATHSIG, a parent-pid watchdog, EOF on their control socket).
+`close()` releases the host's views of the shards, shuts the workers down and waits, then hands the
+host's own shard back (GPU memory included); it also runs when the group is collected and at
+interpreter exit.
 """
 
 from __future__ import annotations
@@ -27,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -40,8 +47,7 @@ import torch.distributed as dist
 from . import ue8m0
 from .buffer import LocalEngramBuffer
 from .store import check_fetch_indices, check_layer, check_rows, check_table_geometry, check_values, decode_rows, encode_rows, last_occurrence
-from .allocators import OVERLAP_ENV
-from .worker import gloo_group, named_group, release_named_group
+from .worker import gloo_group
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +57,10 @@ _SHUTDOWN_WAIT_S = 5.0
 
 
 class EngramWorkerError(RuntimeError):
-    """A worker process of an EngramGroup died, failed to start, or failed a command."""
+    """A worker process of an EngramGroup died, failed to start, or failed a command.
+
+    The message names the rank (and `rank` holds it) whenever one rank is to blame.
+    """
 
     def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None) -> None:
         super().__init__(message)
@@ -96,6 +105,21 @@ class _Worker:
         self.rank = rank
         self.process = process
         self.conn = conn
+
+
+def _release_group(workers: list[_Worker], holder: list, cuda: bool) -> None:
+    """Release in the order CUDA IPC needs: the host's views of peers, then the workers, then the host's shard."""
+    buffer = holder.pop() if holder else None
+    if buffer is not None:
+        if cuda:
+            torch.cuda.synchronize(buffer.device)  # no kernel still reads a peer's shard
+        buffer.destroy()
+    _shutdown_workers(workers)
+    if cuda:
+        # The host's shard waits in torch's IPC limbo until every worker has dropped its view of it
+        # (they have: they exited); hand it back to the allocator, and the allocator's cache to CUDA.
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
 
 
 def _shutdown_workers(workers: list[_Worker]) -> None:
@@ -149,10 +173,6 @@ class EngramGroup:
                 raise RuntimeError("EngramGroup(device='cuda') needs a CUDA GPU; use device='cpu'")
             count = torch.cuda.device_count()
             self.rank_devices = [r % count for r in range(num_ranks)]
-            if num_ranks > count and os.environ.get(OVERLAP_ENV) != "1":
-                # Read by torch's symmetric memory at the first rendezvous; the workers inherit it.
-                os.environ[OVERLAP_ENV] = "1"
-                logger.info("engram: %d CUDA ranks on %d GPU(s); set %s=1", num_ranks, count, OVERLAP_ENV)
         else:
             self.rank_devices = [-1] * num_ranks
         self.num_ranks = num_ranks
@@ -169,17 +189,17 @@ class EngramGroup:
         self._failure: EngramWorkerError | None = None
         self.last_load_ranges: dict[int, list[list[int]]] = {}
         self._closed = False
-        self._group_name: str | None = None
         self.buffer: LocalEngramBuffer | None = None
+        self._holder: list[LocalEngramBuffer] = []
         self._group = None
         self._store = None
+        # Releases everything when the group is closed, collected, or at interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _release_group, self._workers, self._holder, device == "cuda")
         try:
             self._start(device, num_entries_per_token, num_max_tokens, worker_threads)
         except BaseException:
             self.close()
             raise
-        # Shuts the workers down when the group is collected or at interpreter exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, _shutdown_workers, self._workers)
 
     def __repr__(self) -> str:
         return f"EngramGroup(num_ranks={self.num_ranks}, rows_per_layer={self.rows_per_layer}, hidden={self.hidden}, table_dtype={self.table_dtype}, device={self.device})"
@@ -194,10 +214,7 @@ class EngramGroup:
         else:
             self._store = dist.HashStore()
             port = 0
-        if device == "cuda":
-            self._group_name = f"fp8engram-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         config = {
-            "group_name": self._group_name,
             "devices": self.rank_devices,
             "num_ranks": self.num_ranks,
             "port": port,
@@ -215,20 +232,20 @@ class EngramGroup:
             self._workers.append(_launch(lambda rank=rank: self._spawn_worker(rank, config)))
 
         def build() -> LocalEngramBuffer:
-            if device == "cuda":
-                # No torch.cuda.set_device here: the host's current device is ComfyUI's business.
-                self._group = named_group(self._store, 0, self.num_ranks, timeout, self._group_name)
-            else:
-                self._group = gloo_group(self._store, 0, self.num_ranks, timeout)
-            return LocalEngramBuffer(
+            # No torch.cuda.set_device here: the host's current device is ComfyUI's business (the
+            # buffer names its device everywhere).
+            self._group = gloo_group(self._store, 0, self.num_ranks, timeout)
+            buffer = LocalEngramBuffer(
                 self._group, self.rows_per_rank, self.hidden, max_tokens, entries, self.table_dtype, self.num_sf_packs, device=self.device
             )
+            self._holder.append(buffer)
+            return buffer
 
         self.buffer = self._run_watched(build, "start the engram group")
         for worker in self._workers:
             status, value = self._receive(worker, time.monotonic() + self.timeout, "start")
             if status != "ready":
-                raise EngramWorkerError(f"engram worker {worker.rank} failed to start: {value}", worker.rank)
+                raise EngramWorkerError(f"engram worker rank {worker.rank} failed to start: {value}", worker.rank)
         logger.info("engram group up: %d %s rank(s), %s", self.num_ranks, device, self.rows_per_layer)
 
     def _spawn_worker(self, rank: int, config: dict) -> _Worker:
@@ -274,7 +291,8 @@ class EngramGroup:
         while thread.is_alive():
             self._check_workers(what)
             if time.monotonic() > deadline:
-                raise EngramWorkerError(f"could not {what} within {self.timeout:.0f} s (a worker is stuck?)")
+                ranks = [w.rank for w in self._workers]
+                raise EngramWorkerError(f"could not {what} within {self.timeout:.0f} s: worker rank(s) {ranks} did not take part (stuck?)", ranks[0] if len(ranks) == 1 else None)
             thread.join(_POLL_S)
         status, value = box[0]
         if status == "error":
@@ -331,6 +349,17 @@ class EngramGroup:
             raise RuntimeError("this EngramGroup is closed")
         self._check_workers(what)
         return self.buffer
+
+    @property
+    def alive(self) -> bool:
+        """True while the group is open and every worker process runs (a cheap poll, no message)."""
+        if self._closed or self._failure is not None:
+            return False
+        return all(worker.process.poll() is None for worker in self._workers)
+
+    def check(self) -> None:
+        """Raise EngramWorkerError naming the rank if a worker died, RuntimeError if the group is closed."""
+        self._ready("serve the call")
 
     @property
     def worker_pids(self) -> list[int]:
@@ -416,20 +445,12 @@ class EngramGroup:
     # ----- shutdown -----
 
     def close(self) -> None:
-        """Shut the workers down (waiting for them), release the shards. Idempotent."""
+        """Release the shards and shut the workers down (waiting for them); GPU memory comes back. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            finalizer()
-        else:
-            _shutdown_workers(self._workers)
-        if self.buffer is not None:
-            self.buffer.destroy()
-            self.buffer = None
-        if self._group_name is not None:
-            release_named_group(self._group_name)
+        self.buffer = None
+        self._finalizer()
         self._group = None
         self._store = None
 

@@ -5,7 +5,8 @@ multiprocessing spawn (inside ComfyUI that would re-run ComfyUI's main.py). Run 
 registers a synthetic package for the engram folder (without executing the pack's `__init__.py`, which
 imports ComfyUI) and re-imports itself from it, so the relative imports below work.
 
-The worker joins the process group over loopback, allocates its shard, reports "ready" on the control
+The worker joins the process group over loopback (gloo), allocates its shard (on CUDA: on its GPU, shared
+with the other ranks through CUDA IPC), reports "ready" on the control
 connection (a socket inherited from the host), then serves commands: ("load", path), ("ping",),
 ("shutdown",). It never outlives the host: PR_SET_PDEATHSIG, a parent-pid watchdog and EOF on the
 control connection each end it.
@@ -75,7 +76,6 @@ def make_process_group(config: dict, rank: int):
         import torch
 
         torch.cuda.set_device(int(config["devices"][rank]))
-        return named_group(store, rank, world, timeout, config["group_name"]), store
     return gloo_group(store, rank, world, timeout), store
 
 
@@ -99,11 +99,9 @@ def gloo_group(store, rank: int, world: int, timeout: timedelta):
 def named_group(store, rank: int, world: int, timeout: timedelta, name: str):
     """A gloo-backed ProcessGroup registered under `name`, outside torch.distributed's default group.
 
-    CUDA ranks use it: torch's symmetric memory finds a group by its name and exchanges the shard handles
-    through the group's store (no collective), and the few control collectives (configuration check,
-    barriers) run on CPU tensors. Unlike NCCL, it lets several ranks share one GPU, and it leaves the
-    host process's default group (ComfyUI's, or another node pack's) alone. `release_named_group` undoes
-    the registration.
+    For callers of `allocators.symmetric_memory_allocator` (torch's symmetric memory finds a group by its
+    name); EngramGroup itself uses a plain `gloo_group` (its CUDA shards travel through CUDA IPC).
+    `release_named_group` undoes the registration.
     """
     import torch
     import torch.distributed as dist

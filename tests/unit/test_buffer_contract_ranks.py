@@ -1,4 +1,5 @@
-"""LocalEngramBuffer keeps DeepEP's EngramBuffer contract on 1, 2 and 4 real CPU ranks (gloo).
+"""LocalEngramBuffer keeps DeepEP's EngramBuffer contract on 1, 2 and 4 real CPU ranks (gloo; buffers on
+the CPU even where a GPU exists).
 
 Each case runs this file as a script that spawns the ranks; every rank writes its own shards with
 `write()`, fetches, and checks every hook against an independent gather from the full tables.
@@ -96,7 +97,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         for allocator in (None, grouped_allocator):
             dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
             packs = ue8m0.num_sf_packs(HIDDEN) if fp8 else 0
-            buffer = LocalEngramBuffer(group, ROWS, HIDDEN, 64, ENTRIES, dtype, packs, allocator=allocator)
+            buffer = LocalEngramBuffer(group, ROWS, HIDDEN, 64, ENTRIES, dtype, packs, device="cpu", allocator=allocator)
             full, sfs = _tables(world, fp8)
             mine = [t[rank * n : (rank + 1) * n].contiguous() for t, n in zip(full, ROWS)]
             if fp8:
@@ -134,7 +135,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             buffer.destroy()
     # A configuration that differs across ranks is refused on every rank.
     try:
-        LocalEngramBuffer(group, [ROWS[0] + (rank == world - 1)], HIDDEN, 64, ENTRIES)
+        LocalEngramBuffer(group, [ROWS[0] + (rank == world - 1)], HIDDEN, 64, ENTRIES, device="cpu")
         report["mismatch"] = None if world > 1 else "single rank"
     except RuntimeError as e:
         report["mismatch"] = str(e)
@@ -176,14 +177,14 @@ def test_single_rank_preconditions_match_deepep():
 
     group = gloo_group(dist.HashStore(), 0, 1, timedelta(seconds=10))
     with pytest.raises(ValueError, match="num_sf_packs"):
-        LocalEngramBuffer(group, [8], 256, 4, 2, torch.float8_e4m3fn, 0)
+        LocalEngramBuffer(group, [8], 256, 4, 2, torch.float8_e4m3fn, 0, device="cpu")
     with pytest.raises(ValueError, match="unsupported"):
-        LocalEngramBuffer(group, [8], 256, 4, 2, torch.float16)
+        LocalEngramBuffer(group, [8], 256, 4, 2, torch.float16, device="cpu")
     with pytest.raises(ValueError, match="multiple of 64"):
-        LocalEngramBuffer(group, [8], 16, 4, 2)
+        LocalEngramBuffer(group, [8], 16, 4, 2, device="cpu")
     with pytest.raises(ValueError, match="num_entries_per_layer"):
-        LocalEngramBuffer(group, [], 256, 4, 2)
-    buffer = LocalEngramBuffer(group, [8], 256, 4, 2)
+        LocalEngramBuffer(group, [], 256, 4, 2, device="cpu")
+    buffer = LocalEngramBuffer(group, [8], 256, 4, 2, device="cpu")
     with pytest.raises(ValueError, match="no scale factors"):
         buffer.write([torch.zeros(8, 256, dtype=torch.bfloat16)], [torch.zeros(8, 1, dtype=torch.int32)])
     buffer.destroy()

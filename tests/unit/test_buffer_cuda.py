@@ -1,14 +1,16 @@
 """LocalEngramBuffer and EngramGroup on CUDA ranks (several ranks may share one GPU).
 
-Each multi-rank case runs this file as a script that spawns the ranks. Every rank joins a private
-gloo-backed group registered by name (what EngramGroup uses), writes its own shards, fetches, and checks
+Each multi-rank case runs this file as a script that spawns the ranks. Every rank joins a private gloo
+group (what EngramGroup uses; CUDA shards travel through CUDA IPC), writes its own shards, fetches, and checks
 every hook against an independent gather from the full tables computed on the CPU. On CUDA it also
 checks that fetch never synchronizes the host (sync debug mode "error") and that a fetch captured in a
 CUDA graph, replayed after new indices are copied into the captured input, gives the right rows.
 
-The same rank code runs on CPU ranks with the fixed-shape gather forced (the CUDA gather, which is
-device-agnostic), so the checking code and that gather are exercised on machines without a GPU too.
-Every rank reports how many checks it ran; the test fails unless each ran them all.
+The same rank code runs on CPU ranks with the CUDA gathers forced: the one-pass Triton kernel (in
+Triton's interpreter, over the same table of shard addresses) and the fixed-shape fallback, so the
+checking code and both gathers are exercised on machines without a GPU too. No environment variable
+is set for ranks that share a GPU (none is needed). Every rank reports how many checks it ran; the test
+fails unless each ran them all.
 """
 
 import json
@@ -28,7 +30,6 @@ ENTRIES = 3
 MAX_TOKENS = 64
 TOKEN_COUNTS = (1, 5, 7, 64)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 GROUP_DEVICE = "cuda"  # of the EngramGroup tests (a scratch run may set "cpu" to exercise the test code itself)
 
 
@@ -136,7 +137,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device_kind: str,
     sys.path.insert(0, os.environ["ENGRAM_TEST_PKG"])
     from fp8_engram.engram import ue8m0
     from fp8_engram.engram.buffer import LocalEngramBuffer
-    from fp8_engram.engram.worker import named_group, release_named_group
+    from fp8_engram.engram.worker import gloo_group
 
     if device_kind == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -145,15 +146,13 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device_kind: str,
         device = torch.device("cpu")
     timeout = timedelta(seconds=60)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
-    name = f"fp8engram-test-{port}"
-    group = named_group(store, rank, world, timeout, name)
+    group = gloo_group(store, rank, world, timeout)
     checks = 0
     for fp8 in (False, True):
         dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
         packs = ue8m0.num_sf_packs(HIDDEN) if fp8 else 0
         buffer = LocalEngramBuffer(group, ROWS, HIDDEN, MAX_TOKENS, ENTRIES, dtype, packs, device=device, gather=None if gather == "auto" else gather)
-        if world > 1 or gather != "auto":
-            assert buffer.gather_mode == "fixed_shape", buffer.gather_mode
+        assert buffer.gather_mode == ("triton" if gather == "auto" else gather), buffer.gather_mode
         full, sfs = _tables(world, fp8)
         mine = [t[rank * n : (rank + 1) * n].contiguous() for t, n in zip(full, ROWS)]
         if fp8:
@@ -172,7 +171,6 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device_kind: str,
                     checks += check_results(_fetch_in_graph(buffer, indices.to(device), second.to(device), tma), second, full, sfs, tma)
         graph_keepalive.clear()
         buffer.destroy()
-    release_named_group(name)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"checks": checks, "device": str(device)}, f)
     # Skip interpreter teardown: a gloo group whose peers already left can block in its destructor.
@@ -192,8 +190,7 @@ def _run_ranks(world: int, device_kind: str, gather: str, tmp_path) -> list[dict
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, ENGRAM_TEST_PKG=_pkg_parent(), OMP_NUM_THREADS="1")
-    if device_kind == "cuda" and world > torch.cuda.device_count():
-        env[OVERLAP_ENV] = "1"
+    env.pop("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", None)  # ranks sharing a GPU need nothing set
     proc = subprocess.run(
         [sys.executable, __file__, str(world), str(port), str(tmp_path), device_kind, gather], env=env, capture_output=True, text=True, timeout=300
     )
@@ -204,10 +201,13 @@ def _run_ranks(world: int, device_kind: str, gather: str, tmp_path) -> list[dict
     return reports
 
 
+@pytest.mark.parametrize("gather", ["triton", "fixed_shape"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_fixed_shape_gather_matches_reference_on_cpu_ranks(world, tmp_path):
-    """The CUDA gather (forced) on CPU ranks of a named gloo group: same checks, no GPU needed."""
-    _run_ranks(world, "cpu", "fixed_shape", tmp_path)
+def test_cuda_gathers_match_reference_on_cpu_ranks(world, gather, tmp_path):
+    """The CUDA gathers (forced; the Triton kernel interpreted) on CPU ranks: same checks, no GPU needed."""
+    if gather == "triton":
+        pytest.importorskip("triton")
+    _run_ranks(world, "cpu", gather, tmp_path)
 
 
 @needs_cuda
@@ -225,7 +225,7 @@ def _filled_group_and_local_store(dtype):
     try:
         assert group.device.type == GROUP_DEVICE
         if GROUP_DEVICE == "cuda":
-            assert group.buffer.gather_mode == "fixed_shape"
+            assert group.buffer.gather_mode == "triton"
         assert len(group.ping()) == 1
         local = LocalRowStore(group.rows_per_layer, HIDDEN, dtype)
         g = torch.Generator().manual_seed(7)

@@ -35,7 +35,7 @@ def _gone(pid: int) -> bool:
 @pytest.fixture(scope="module", params=[(1, torch.bfloat16), (2, torch.bfloat16), (4, torch.float8_e4m3fn)], ids=["1rank-bf16", "2rank-bf16", "4rank-fp8"])
 def group(request):
     ranks, dtype = request.param
-    g = EngramGroup([1001, 333], HIDDEN, dtype, num_ranks=ranks, num_entries_per_token=4, num_max_tokens=32)
+    g = EngramGroup([1001, 333], HIDDEN, dtype, num_ranks=ranks, device="cpu", num_entries_per_token=4, num_max_tokens=32)
     yield g
     pids = g.worker_pids
     g.close()
@@ -129,7 +129,7 @@ def test_table_file_round_trip_and_workers_read_only_their_ranges(group, tmp_pat
 
 
 def test_killed_worker_gives_clear_error_within_seconds():
-    g = EngramGroup([64], HIDDEN, num_ranks=2)
+    g = EngramGroup([64], HIDDEN, num_ranks=2, device="cpu")
     try:
         pid = g.worker_pids[0]
         os.kill(pid, signal.SIGKILL)
@@ -157,7 +157,7 @@ def test_workers_die_with_a_sigkilled_host(tmp_path):
         import sys, time
         sys.path.insert(0, {pkg!r})
         from fp8_engram.engram.group import EngramGroup
-        g = EngramGroup([64], 256, num_ranks=3)
+        g = EngramGroup([64], 256, num_ranks=3, device="cpu")
         print(" ".join(map(str, g.worker_pids)), flush=True)
         time.sleep(120)
         """
