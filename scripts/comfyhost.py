@@ -8,6 +8,7 @@ linked into `<base>/custom_nodes/fp8_engram`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,14 +37,52 @@ class WorkflowError(RuntimeError):
         self.details = details or {}
 
 
+DEFAULT_TREE = ROOT / ".host" / "comfyui"
+BASE_VENV = ROOT / ".venv"
+TREE_ENVS = ROOT / ".host" / "envs"
+
+
 def comfyui_root() -> Path:
-    """The ComfyUI tree: COMFYUI_PATH if set, else the one scripts/setup.sh recorded."""
+    """The ComfyUI tree every script and test uses: COMFYUI_PATH if set, else `.host/comfyui` (the
+    0.3.75 tree scripts/setup.sh fetches). The one place that decides it."""
     if os.environ.get("COMFYUI_PATH"):
-        return Path(os.environ["COMFYUI_PATH"]).resolve()
-    recorded = ROOT / ".host" / "comfyui_path"
-    if recorded.exists():
-        return Path(recorded.read_text().strip())
+        tree = Path(os.environ["COMFYUI_PATH"]).resolve()
+        if not (tree / "main.py").is_file():
+            raise FileNotFoundError(f"COMFYUI_PATH={tree} is not a ComfyUI tree (no main.py)")
+        return tree
+    if (DEFAULT_TREE / "main.py").is_file():
+        return DEFAULT_TREE.resolve()
     raise FileNotFoundError("no ComfyUI tree: run scripts/setup.sh (or set COMFYUI_PATH)")
+
+
+def env_dir(tree: Path) -> Path:
+    """The Python environment of a ComfyUI tree: `.venv` for the default tree, else
+    `.host/envs/<folder name>-<hash of its path>` (made by scripts/setup.sh, layered over .venv)."""
+    tree = Path(tree).resolve()
+    if tree == DEFAULT_TREE.resolve():
+        return BASE_VENV
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in tree.name) or "tree"
+    return TREE_ENVS / f"{name}-{hashlib.sha256(str(tree).encode()).hexdigest()[:10]}"
+
+
+def comfyui_python(tree: Path | None = None) -> Path:
+    """The python that runs `tree` (default: comfyui_root()); raises if setup.sh has not made it."""
+    tree = comfyui_root() if tree is None else Path(tree)
+    python = env_dir(tree) / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"no Python environment for {tree} at {python.parent.parent}: run scripts/setup.sh"
+                                + ("" if tree.resolve() == DEFAULT_TREE.resolve() else f" with COMFYUI_PATH={tree}"))
+    return python
+
+
+def comfyui_version(tree: Path | None = None) -> tuple[int, ...]:
+    """The tree's version from its comfyui_version.py, e.g. (0, 3, 75); () when it has none."""
+    tree = comfyui_root() if tree is None else Path(tree)
+    text = (tree / "comfyui_version.py").read_text() if (tree / "comfyui_version.py").is_file() else ""
+    for line in text.splitlines():
+        if line.strip().startswith("__version__"):
+            return tuple(int(p) for p in line.split("=", 1)[1].strip().strip("\"'").split(".") if p.isdigit())
+    return ()
 
 
 def free_port() -> int:
@@ -72,7 +111,7 @@ class ComfyServer:
     port: int = 0
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
-    python: str = sys.executable
+    python: str = ""  # default: comfyui_python(), the environment of the tree
     process: subprocess.Popen | None = None
 
     @property
@@ -81,6 +120,7 @@ class ComfyServer:
 
     def start(self, timeout: float = 180.0) -> "ComfyServer":
         root = comfyui_root()
+        self.python = self.python or str(comfyui_python(root))
         prepare_base_dir(self.base_dir)
         self.port = self.port or free_port()
         self.log_path = self.log_path or self.base_dir / "comfyui.log"
@@ -195,3 +235,20 @@ def _execution_error_text(status: dict) -> str:
         if kind == "execution_error":
             return f"node {data.get('node_id')} ({data.get('node_type')}): {data.get('exception_type')}: {data.get('exception_message')}"
     return f"workflow failed: {json.dumps(status)[:2000]}"
+
+
+def main(argv: list[str]) -> int:
+    """`comfyhost.py paths`: the tree and python in use; `comfyhost.py env-dir TREE`: that tree's env."""
+    if argv[:1] == ["env-dir"] and len(argv) == 2:
+        sys.stdout.write(f"{env_dir(Path(argv[1]))}\n")
+        return 0
+    if argv == ["paths"]:
+        tree = comfyui_root()
+        sys.stdout.write(f"comfyui={tree}\npython={comfyui_python(tree)}\n")
+        return 0
+    sys.stderr.write("usage: comfyhost.py paths | env-dir TREE\n")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -4,4 +4,6 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
-exec "$root/.venv/bin/python" "$root/scripts/demo.py" "$@"
+# The python of the ComfyUI tree in use (COMFYUI_PATH, else .host/comfyui): scripts/comfyhost.py decides.
+python="$("$root/.venv/bin/python" "$root/scripts/comfyhost.py" paths | sed -n 's/^python=//p')"
+exec "$python" "$root/scripts/demo.py" "$@"

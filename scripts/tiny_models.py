@@ -8,8 +8,8 @@ They are real ComfyUI models, only small and untrained, so every stock loader de
   parameters) that CLIPLoader loads with the real CLIP tokenizer (type "sd3" or "stable_diffusion").
 
 Usage: python scripts/tiny_models.py MODELS_DIR [--comfyui PATH] [--force]
-Runs with ComfyUI's tree on sys.path (default: the path written by scripts/setup.sh). Files that
-already exist are kept unless --force. Writes go to a temporary file renamed into place.
+Runs with ComfyUI's tree on sys.path (default: scripts/comfyhost.py's comfyui_root()). Files that
+already exist from the same recipe are kept unless --force. Writes go to a temporary file renamed into place.
 """
 
 from __future__ import annotations
@@ -32,17 +32,20 @@ HIDDEN = 128
 CONTEXT = 4096
 POOLED = 2048
 POS_EMBED_MAX = 32
+# Written into each file's metadata; a file from an older recipe is made again. 2: buffers (the SD3
+# position embedding) are seeded too; before, they held whatever torch.empty gave, NaN at times.
+RECIPE = "2"
 
 
 def comfyui_path(explicit: str | None) -> Path:
     if explicit:
         return Path(explicit)
-    if os.environ.get("COMFYUI_PATH"):
-        return Path(os.environ["COMFYUI_PATH"])
-    recorded = ROOT / ".host" / "comfyui_path"
-    if recorded.exists():
-        return Path(recorded.read_text().strip())
-    raise SystemExit("no ComfyUI found: run scripts/setup.sh first or pass --comfyui PATH")
+    from comfyhost import comfyui_root  # the one place that decides which tree is in use
+
+    try:
+        return comfyui_root()
+    except FileNotFoundError as exc:
+        raise SystemExit(f"{exc} (or pass --comfyui PATH)") from exc
 
 
 def import_comfy(path: Path):
@@ -57,13 +60,24 @@ def import_comfy(path: Path):
     return comfy, mmdit, taesd
 
 
+def is_current(path: Path) -> bool:
+    """The file exists and was made by this recipe."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("fp8_engram_tiny_models") == RECIPE
+    except Exception:  # missing, truncated or not safetensors: make it again
+        return False
+
+
 def save(state_dict: dict, path: Path) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp))
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata={"fp8_engram_tiny_models": RECIPE})
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -87,6 +101,9 @@ def init_random(model, torch) -> None:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02)
+        for name, buf in model.named_buffers():  # e.g. SD3's pos_embed, made with torch.empty
+            if buf.is_floating_point():
+                buf.normal_(0.0, 0.02)
 
 
 def make_unet(mmdit, torch, dtype) -> dict:
@@ -146,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         args.models_dir / "text_encoders" / CLIP_L: lambda: make_clip_l(comfy, torch),
     }
     for path, build in targets.items():
-        if path.exists() and not args.force:
+        if is_current(path) and not args.force:
             logger.info("kept %s", path)
             continue
         save(build(), path)

@@ -5,7 +5,8 @@ with this pack in custom_nodes/, driven over HTTP), tests/browser (the real fron
 Chromium). Markers `unit`, `integration`, `browser` are applied by folder.
 
 Fixtures for integration and browser tests:
-- `comfy_server` (session): a real ComfyUI 0.3.75 (or COMFYUI_PATH) on a free loopback port, its own
+- `comfy_server` (session): a real ComfyUI on a free loopback port, run by the tree's own python
+  (both from scripts/comfyhost.py: COMFYUI_PATH, else the 0.3.75 tree in .host/comfyui), its own
   base directory (`comfy_server.base_dir`: models/, output/, input/, custom_nodes/fp8_engram).
 - `comfy` (session): a `ComfyClient` for that server: `.run(graph)` -> history entry (raises
   `WorkflowError` with the node's exception text), `.submit(graph)` -> raw response (400 +
@@ -16,7 +17,8 @@ Fixtures for integration and browser tests:
 Fixtures for unit tests: `clip_tokenizer`, `t5_tokenizer` (the real tokenizers in ComfyUI's tree,
 loaded with transformers).
 Graph builders live in tests/helpers/graphs.py (`from helpers.graphs import sd3_txt2img`).
-Any test may `import fp8_engram` (the pack as a library).
+Any test may `import fp8_engram` (the pack as a library). Paths of the ComfyUI tree and its python come
+from `comfyhost.comfyui_root()` / `comfyhost.comfyui_python()` only; `comfyui_tree` (session) is the tree.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ def pytest_collection_modifyitems(config, items):
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def comfyui_tree() -> Path:
+    """The ComfyUI tree in use (COMFYUI_PATH, else .host/comfyui); skips where none is set up."""
+    from comfyhost import comfyui_root
+
+    try:
+        return comfyui_root()
+    except FileNotFoundError as exc:
+        pytest.skip(f"needs a ComfyUI tree: {exc}")
 
 
 @pytest.fixture(scope="session")
@@ -105,8 +118,11 @@ def comfy_server(tmp_path_factory, tiny_models_cache):
     yield server
     server.stop()
     if os.environ.get("CI") or os.environ.get("KEEP_COMFY_LOG"):
+        from comfyhost import comfyui_version
+
         ARTIFACTS.mkdir(exist_ok=True)
-        (ARTIFACTS / "comfyui.log").write_text(server.log_tail(100000))
+        version = ".".join(map(str, comfyui_version())) or "unknown"
+        (ARTIFACTS / f"comfyui-{version}.log").write_text(server.log_tail(100000))
 
 
 @pytest.fixture(scope="session")

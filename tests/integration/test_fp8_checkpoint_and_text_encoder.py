@@ -19,9 +19,6 @@ latent > 20 dB (measured 29.5 dB).
 from __future__ import annotations
 
 import itertools
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,11 +28,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import fp8_files
+from helpers.host import comfy_in_process
 from helpers.graphs import TINY_CLIP_L, TINY_UNET, TINY_VAE, output_images, sd3_txt2img
 
 pytestmark = pytest.mark.integration
 
-COMFYUI = Path(os.environ.get("COMFYUI_PATH", Path(__file__).resolve().parents[2] / ".host" / "comfyui"))
 PROMPT = "a red apple on a wooden table"
 _counter = itertools.count()
 
@@ -115,13 +112,7 @@ def test_load_fp8_checkpoint_gives_model_clip_and_vae_close_to_full_precision(co
 
 def _clip_conditioning(models_dir, name: str, fp8: bool):
     """(cond, pooled) for PROMPT from ComfyUI's own text-encoder loader in this process."""
-    if not (COMFYUI / "comfy" / "sd.py").is_file():
-        pytest.skip(f"ComfyUI 0.3.75 tree not found at {COMFYUI}")
-    if str(COMFYUI) not in sys.path:
-        sys.path.insert(0, str(COMFYUI))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
+    comfy_in_process()
     import comfy.sd
 
     path = str(models_dir / "text_encoders" / name)

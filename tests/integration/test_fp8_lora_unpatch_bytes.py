@@ -8,18 +8,15 @@ Threshold: patched weight vs float64 (dequantized original + LoRA delta) > 25 dB
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import fp8_files
+from helpers.host import comfy_in_process
 
 pytestmark = pytest.mark.integration
 
-COMFYUI = Path(os.environ.get("COMFYUI_PATH", Path(__file__).resolve().parents[2] / ".host" / "comfyui"))
 LORA_LAYERS = ("joint_blocks.0.x_block.mlp.fc1", "joint_blocks.0.x_block.attn.qkv", "joint_blocks.1.x_block.mlp.fc2")
 
 
@@ -31,13 +28,7 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def comfy_modules():
-    if not (COMFYUI / "comfy" / "model_patcher.py").is_file():
-        pytest.skip(f"ComfyUI 0.3.75 tree not found at {COMFYUI}")
-    if str(COMFYUI) not in sys.path:
-        sys.path.insert(0, str(COMFYUI))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
+    comfy_in_process()
     import comfy.lora
     import comfy.sd
 

@@ -1,0 +1,34 @@
+"""The ComfyUI tree in use, imported into the test process (for the in-process tests).
+
+Which tree and which python: `scripts/comfyhost.py` decides (COMFYUI_PATH, else .host/comfyui); this
+module only checks that the test process runs in that tree's environment, then puts the tree on
+sys.path with ComfyUI in CPU mode.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def comfy_in_process() -> Path:
+    """Make `import comfy.*` load the tree in use; returns the tree. Fails clearly when the test process
+    is not that tree's python (its packages would not match the tree)."""
+    from comfyhost import comfyui_root, env_dir
+
+    try:
+        tree = comfyui_root()
+    except FileNotFoundError as exc:
+        pytest.skip(f"needs a ComfyUI tree: {exc}")
+    env = env_dir(tree)
+    if Path(sys.prefix).resolve() != env.resolve():
+        pytest.fail(f"this test imports ComfyUI {tree} in process, so it must run with {env}/bin/python "
+                    f"(scripts/test.sh picks it), not {sys.executable}")
+    if str(tree) not in sys.path:
+        sys.path.insert(0, str(tree))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True  # keep model_management away from CUDA at import
+    return tree
