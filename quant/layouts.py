@@ -223,6 +223,8 @@ class PerTensor:
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
+        if q.device.type != "cpu":
+            return _off_cpu(q, scale, None, dtype, out)
         return fp8_to(q, dtype, scale, out)
 
 
@@ -253,6 +255,8 @@ class PerRow:
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
+        if q.device.type != "cpu":
+            return _off_cpu(q, scale, (1, q.shape[1]), dtype, out)
         return _mul_scale(fp8_to(q, dtype, None, out), scale, dtype)
 
 
@@ -307,6 +311,8 @@ class Block:
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
+        if q.device.type != "cpu":
+            return _off_cpu(q, scale, (self.rows, self.cols), dtype, out)
         w = fp8_to(q, dtype, None, out)
         out, inp = q.shape
         if out % self.rows == 0 and inp % self.cols == 0:
@@ -318,6 +324,25 @@ class Block:
 
 
 Layout = PerTensor | PerRow | Block
+
+
+def _off_cpu(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype,
+             out: torch.Tensor | None) -> torch.Tensor:
+    """Dequantization on CUDA (and any device but the CPU): one pass in ``kernels.dequant``
+    (Triton where it runs, torch ops otherwise) that rounds exactly like the CPU code above, so a
+    weight gives the same bits on every device. Plain torch ops would not: on CUDA a bf16 tensor
+    times a float32 0-d tensor rounds the scale to bf16 first, while the CPU keeps it float32."""
+    from .kernels import dequantize  # the kernels package is only needed off the CPU
+
+    if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(q.shape)
+                            or not out.is_contiguous() or out.device != q.device):
+        raise QuantizationError(
+            f"dequantize: out must be a contiguous {dtype} tensor of shape {list(q.shape)} on "
+            f"{q.device}, got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+    if block is None or q.dim() != 2:
+        return dequantize(q, scale, block, dtype, True, out)
+    return dequantize(q, scale, block, dtype, False, out)
 
 
 def _mul_scale(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,12 +1,18 @@
 """Compute paths for ``y = x @ W.T + b`` with a QuantizedTensor weight W.
 
-(a) weight-only: dequantize W into the compute dtype, then a plain ``F.linear``. The default on
-    the CPU and on GPUs without FP8 matrix units, and the route for block-wise layouts.
-(b) fp8 x fp8: quantize the activation to float8_e4m3fn (static ``input_scale``, dynamic per
-    tensor, or dynamic per row) and call ``scaled_mm`` with the weight's per-tensor / per-row
-    scales. Chosen when CUDA capability >= 8.9 (path "auto") or forced (path "fp8"). Any failure
-    logs once and the call falls back to (a); it never raises.
+(a) weight-only: W converted into the compute dtype, then a plain matmul. The default on the CPU
+    and on GPUs without FP8 matrix units, and the route for layouts the fp8 path cannot take.
+    CPU: dequantize into a reused per-thread buffer (byte-pair table), then ``F.linear``.
+    CUDA: a Triton GEMM that converts the FP8 weight in registers (up to
+    ``kernels.FUSED_WEIGHT_ONLY_MAX_M`` tokens), else a one-pass dequantize then cuBLAS.
+(b) fp8 x fp8: the activation is quantized to float8_e4m3fn by one fused kernel (scales per row
+    by default, per tensor from ``input_scale`` or dynamic, per 1x128 group for 128x128 block
+    weights), then one scaled matmul with the bias and output dtype passed to it. Chosen where
+    CUDA capability >= 8.9 (path "auto") or when forced (path "fp8"). Any failure logs once and
+    the call falls back to (a); it never raises.
 
+The scaled matmul is whichever API has a kernel for the device in the installed torch
+(``torch._scaled_mm`` or ``F.scaled_mm``), probed once per device on a tiny product.
 The choice is made per call from ``config`` (argument) or ``weight.config`` (per model).
 """
 
@@ -17,13 +23,14 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .config import DEFAULT_CONFIG, ComputeConfig
-from .layouts import Block, PerRow, PerTensor, QuantizationError, _safe_scale, fp8_max, workspace
+from .layouts import Block, PerRow, PerTensor, QuantizationError, workspace
 from .tensor import QuantizedTensor, log_once
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["linear", "fp8_supported"]
+__all__ = ["linear", "fp8_supported", "scaled_mm_api", "blockwise_supported"]
 
 _ACT_DTYPE = torch.float8_e4m3fn
 _capability_cache: dict = {}
@@ -48,64 +55,231 @@ def _compute_dtype(x: torch.Tensor, cfg: ComputeConfig) -> torch.dtype:
     raise QuantizationError(f"linear: the input must be a float tensor, got {x.dtype}")
 
 
-def _wants_fp8(x: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig) -> bool:
-    if cfg.path == "weight_only" or isinstance(w.layout, Block) or x.numel() == 0:
-        return False
-    if cfg.path == "fp8":
-        return True
-    out_f, in_f = w.qdata.shape
-    # cuBLASLt FP8 needs both matrix dims divisible by 16; skip quietly instead of failing.
-    return fp8_supported(x.device) and in_f % 16 == 0 and out_f % 16 == 0
+# ---------------------------------------------------------------------------------------------
+# the scaled matmul, whichever API this torch has a kernel for
+# ---------------------------------------------------------------------------------------------
 
 
-def _scaled_mm(a, b, scale_a, scale_b, out_dtype, rowwise: bool):
-    """Call whichever scaled matmul this torch has (the public F.scaled_mm first)."""
-    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
-        recipe = F.ScalingType.RowWise if rowwise else F.ScalingType.TensorWise
-        return F.scaled_mm(a, b, scale_a, recipe, scale_b, recipe, output_dtype=out_dtype)
-    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+def _call_private(a, b, sa, sb, bias, out_dtype):
+    out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
     return out[0] if isinstance(out, tuple) else out  # torch < 2.5 returned (out, amax)
 
 
-def _fp8_mm(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype) -> torch.Tensor | None:
-    """fp8 x fp8 product ``x2d @ W.T`` (no bias), or None after a logged failure."""
+def _recipe(scale: torch.Tensor, rows: int, block_rows: bool):
+    st = F.ScalingType
+    if scale.numel() == 1:
+        return st.TensorWise
+    if scale.shape[-1] == 1 or scale.shape[0] == 1 and scale.shape[-1] == rows:
+        return st.RowWise
+    return st.BlockWise128x128 if block_rows else st.BlockWise1x128
+
+
+def _call_public(a, b, sa, sb, bias, out_dtype):
+    ra = _recipe(sa, a.shape[0], block_rows=False)
+    rb = _recipe(sb, b.shape[1], block_rows=True)
+    return F.scaled_mm(a, b, sa, ra, sb, rb, bias=bias, output_dtype=out_dtype)
+
+
+SCALED_MM_APIS = {"torch._scaled_mm": _call_private, "F.scaled_mm": _call_public}
+_api_for: dict = {}
+_blockwise_for: dict = {}
+_rowwise_bf16_only: set = set()
+
+
+def _present_apis() -> list:
+    names = []
+    if hasattr(torch, "_scaled_mm"):
+        names.append("torch._scaled_mm")
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+        names.append("F.scaled_mm")
+    return names
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else ""
+
+
+def _device_key(device: torch.device):
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return device.type, index
+
+
+def scaled_mm_api(device) -> str | None:
+    """Name of the first scaled-matmul API with a kernel for ``device`` in this torch
+    (``torch._scaled_mm`` first: it takes every scaling the pack uses on torch 2.5 to 2.14;
+    ``F.scaled_mm`` exists from 2.10 but e.g. 2.11 has no CPU kernel for it), or None."""
+    key = _device_key(device)
+    if key not in _api_for:
+        found, errors = None, []
+        with torch.no_grad():
+            for name in _present_apis():
+                try:
+                    a = torch.ones(16, 32, device=device).to(_ACT_DTYPE)
+                    b = torch.ones(16, 32, device=device).to(_ACT_DTYPE).t()
+                    one = torch.ones((), device=device)
+                    SCALED_MM_APIS[name](a, b, one, one, None, torch.bfloat16)
+                    found = name
+                    break
+                except Exception as exc:  # noqa: BLE001 - a missing kernel is an answer, not an error
+                    errors.append(f"{name}: {type(exc).__name__}: {_first_line(exc)}")
+        _api_for[key] = found
+        if found is None:
+            log_once(("no_scaled_mm", key), logging.INFO,
+                     "no scaled matmul has a kernel for %s in torch %s (%s)", torch.device(device),
+                     torch.__version__, "; ".join(errors) or "none present")
+    return _api_for[key]
+
+
+def blockwise_supported(device) -> bool:
+    """Does this torch's scaled matmul take 1x128 x 128x128 block scales on ``device``
+    (cuBLAS 12.9+ on Hopper)? Probed once on a tiny product; never assumed."""
+    key = _device_key(device)
+    if key not in _blockwise_for:
+        ok = False
+        api = scaled_mm_api(device)
+        if api is not None:
+            try:
+                with torch.no_grad():
+                    a = torch.ones(128, 256, device=device).to(_ACT_DTYPE)
+                    b = torch.ones(128, 256, device=device).to(_ACT_DTYPE)
+                    sa = torch.ones(2, 128, device=device).t()           # [M, K/128], M-major
+                    sb = torch.ones(1, 2, device=device)                 # [N/128, K/128]
+                    out = SCALED_MM_APIS[api](a, b.t(), sa, sb.t(), None, torch.bfloat16)
+                    ok = bool(torch.allclose(out.float(), torch.full_like(out.float(), 256.0)))
+            except Exception as exc:  # noqa: BLE001
+                log_once(("no_blockwise", key), logging.INFO,
+                         "block-wise scaled matmul unavailable on %s (%s: %s); 128x128 block "
+                         "weights run weight-only there", torch.device(device), type(exc).__name__,
+                         _first_line(exc))
+        _blockwise_for[key] = ok
+    return _blockwise_for[key]
+
+
+def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
+    """``(a * scale_a) @ (b * scale_b) + bias`` in ``out_dtype`` through the device's API.
+    The bias goes into the matmul itself where it can (bf16/fp16 output of the same dtype)."""
+    api = scaled_mm_api(a.device)
+    if api is None:
+        raise RuntimeError(f"no scaled matmul has a kernel for {a.device} in torch {torch.__version__}")
+    fn = SCALED_MM_APIS[api]
+    fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) \
+        and bias.dtype == out_dtype
+    key = _device_key(a.device)
+    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    if rowwise and out_dtype != torch.bfloat16 and key in _rowwise_bf16_only:
+        return _bf16_then_cast(fn, a, b, scale_a, scale_b, bias, out_dtype)
     try:
-        qdata, wscale = w.qdata, w.scale
-        n_out = qdata.shape[0]
-        m = x2d.shape[0]
-        fmax = fp8_max(_ACT_DTYPE)
-        mode = cfg.activation_scaling
-        if mode == "static" and w.input_scale is None:
-            mode = "dynamic_tensor"
-        xf = x2d.to(torch.float32)
-        if mode == "static":
-            sa = w.input_scale.to(device=x2d.device, dtype=torch.float32).reshape(())
-        elif mode == "dynamic_tensor":
-            sa = _safe_scale(xf.abs().amax(), fmax)
+        out = fn(a, b, scale_a, scale_b, bias if fused_bias else None, out_dtype)
+    except RuntimeError:
+        if not rowwise or out_dtype == torch.bfloat16:
+            raise
+        # older row-wise kernels (CUTLASS, before cuBLAS 12.9) write bfloat16 only
+        _rowwise_bf16_only.add(key)
+        return _bf16_then_cast(fn, a, b, scale_a, scale_b, bias, out_dtype)
+    if bias is not None and not fused_bias:
+        out = out + bias.to(out.dtype)
+    return out
+
+
+def _bf16_then_cast(fn, a, b, scale_a, scale_b, bias, out_dtype):
+    bb = None if bias is None else bias.to(torch.bfloat16)
+    return fn(a, b, scale_a, scale_b, bb, torch.bfloat16).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fp8 x fp8 path
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_block128(layout) -> bool:
+    return isinstance(layout, Block) and (layout.rows, layout.cols) == (128, 128)
+
+
+def _wants_fp8(x: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig) -> bool:
+    layout = w.layout
+    if cfg.path == "weight_only" or x.numel() == 0:
+        return False
+    out_f, in_f = w.qdata.shape
+    if isinstance(layout, (PerTensor, PerRow)):
+        fits = True
+    elif _is_block128(layout):
+        fits = in_f % 128 == 0 and out_f % 128 == 0 and blockwise_supported(x.device)
+    else:
+        fits = False  # other block shapes (musubi 1x64, ...) and any other layout: weight-only
+    if cfg.path == "fp8":
+        return fits
+    # cuBLASLt FP8 needs both matrix dims divisible by 16; skip quietly instead of failing.
+    return fits and fp8_supported(x.device) and in_f % 16 == 0 and out_f % 16 == 0
+
+
+def _scaling_mode(w: QuantizedTensor, cfg: ComputeConfig) -> str:
+    mode = cfg.activation_scaling
+    if mode == "auto":
+        # measured fastest at the best accuracy: one fused pass, no global reduction
+        return "dynamic_row"
+    if mode == "static" and w.input_scale is None:
+        return "dynamic_tensor"  # never a made-up scale of 1.0
+    return mode
+
+
+def _cached_on_weight(w: QuantizedTensor, name: str, build):
+    """A tensor derived from the weight's scale, built once and kept on the weight (rebuilt when
+    the scale is written in place, e.g. by a LoRA patch; never cached for inference tensors,
+    which carry no version counter)."""
+    try:
+        version = w.scale._version
+    except RuntimeError:
+        return build()
+    key = (name, w.scale.data_ptr(), version, w.scale.device)
+    cache = w.__dict__.setdefault("_derived", {})
+    hit = cache.get(name)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    value = build()
+    cache[name] = (key, value)
+    return value
+
+
+def _row_weight_scale(w: QuantizedTensor) -> torch.Tensor:
+    """The weight's scale as the [1, N] row-wise operand of the scaled matmul."""
+    n = w.qdata.shape[0]
+    if isinstance(w.layout, PerRow):
+        return w.scale.reshape(1, n)  # a view: [N, 1] is already laid out as [1, N]
+    return _cached_on_weight(w, "row_scale",
+                             lambda: w.scale.reshape(1, 1).expand(1, n).contiguous())
+
+
+def _fp8_mm(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype,
+            bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """fp8 x fp8 product ``x2d @ W.T (+ bias)``, or None after a logged failure."""
+    try:
+        layout = w.layout
+        if _is_block128(layout):
+            xq, sa = kernels.quantize_groups(x2d, _ACT_DTYPE)
+            sb = w.scale.t()  # [K/128, N/128]; its transpose is the contiguous [N/128, K/128]
         else:
-            sa = _safe_scale(xf.abs().amax(dim=1, keepdim=True), fmax)
-        xq = (xf / sa).clamp_(-fmax, fmax).to(_ACT_DTYPE)
-        if isinstance(w.layout, PerRow):
-            sb = wscale.reshape(1, n_out)
-        elif isinstance(w.layout, PerTensor):
-            sb = wscale.reshape(())
-        else:
-            raise QuantizationError(f"no fp8 x fp8 kernel for layout {w.layout}")
-        rowwise = sa.dim() > 0 or sb.dim() > 0
-        if rowwise:  # both operands must then carry row-wise scales
-            sa = sa.reshape(-1, 1).expand(m, 1).contiguous()
-            sb = sb.reshape(1, -1).expand(1, n_out).contiguous()
-            mm_dtype = torch.bfloat16  # the only output dtype row-wise kernels accept on CUDA
-        else:
-            mm_dtype = out_dtype
-        out = _scaled_mm(xq, qdata.t(), sa, sb, mm_dtype, rowwise)
-        return out if out.dtype == out_dtype else out.to(out_dtype)
+            mode = _scaling_mode(w, cfg)
+            if mode == "dynamic_row":
+                xq, sa = kernels.quantize_rows(x2d, _ACT_DTYPE)
+                sb = _row_weight_scale(w)
+            else:
+                xq, sa = kernels.quantize_tensor(
+                    x2d, w.input_scale if mode == "static" else None, _ACT_DTYPE)
+                if isinstance(layout, PerRow):  # row-wise weight: both operands row-wise
+                    sa = sa.reshape(1, 1).expand(x2d.shape[0], 1).contiguous()
+                    sb = _row_weight_scale(w)
+                else:
+                    sb = w.scale.reshape(())
+        return _scaled_mm(xq, w.qdata.t(), sa, sb, bias, out_dtype)
     except Exception as exc:  # a kernel that cannot run here must not break the model
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        log_once(("fp8_failed", x2d.device.type, type(exc).__name__, first_line[:120]),
+        log_once(("fp8_failed", x2d.device.type, type(exc).__name__, _first_line(exc)[:120]),
                  logging.WARNING,
                  "fp8 x fp8 linear failed on %s (%s: %s); using the weight-only path instead "
-                 "(logged once)", x2d.device, type(exc).__name__, first_line)
+                 "(logged once)", x2d.device, type(exc).__name__, _first_line(exc))
         return None
 
 
@@ -126,6 +300,11 @@ class _Fp8LinearWithGrad(torch.autograd.Function):
         return grad_out @ wd, None, None, None
 
 
+# ---------------------------------------------------------------------------------------------
+# the weight-only path
+# ---------------------------------------------------------------------------------------------
+
+
 def _dequantized_weight(x, w: QuantizedTensor, bias, cdt) -> torch.Tensor:
     """W in ``cdt`` for one weight-only product. On the CPU, when autograd will not keep the
     weight, it goes into this thread's reusable buffer instead of fresh memory: a model that
@@ -139,12 +318,36 @@ def _dequantized_weight(x, w: QuantizedTensor, bias, cdt) -> torch.Tensor:
     return w.layout.dequantize(w.qdata, w.scale, cdt, out=buf)
 
 
-def _weight_only(x, w: QuantizedTensor, bias, cdt):
+def _kernel_block(w: QuantizedTensor):
+    """(block shape, per_tensor) for the kernels, or None for a layout they do not know."""
+    layout, (n, k) = w.layout, w.qdata.shape
+    if isinstance(layout, PerTensor):
+        return (n, k), True
+    if isinstance(layout, PerRow):
+        return (1, k), False
+    if isinstance(layout, Block):
+        return (layout.rows, layout.cols), False
+    return None
+
+
+def _weight_only(x, w: QuantizedTensor, bias, cdt, method: str = "auto"):
     if x.dtype != cdt:
         x = x.to(cdt)
     if bias is not None and bias.dtype != cdt:
         bias = bias.to(cdt)
+    if w.qdata.is_cuda and not w.transposed:
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or (bias is not None and bias.requires_grad))
+        block = _kernel_block(w)
+        if block is not None and not needs_grad and cdt in (torch.bfloat16, torch.float16):
+            out_f, in_f = w.qdata.shape
+            y = kernels.weight_only_linear(x.reshape(-1, in_f), w.qdata, w.scale, block[0],
+                                           block[1], bias, method)
+            return y.reshape(*x.shape[:-1], out_f)
     return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
@@ -180,11 +383,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         x.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
         out = _Fp8LinearWithGrad.apply(x2d, weight, cfg, cdt)
+        if bias is not None:
+            out = out + bias.to(cdt)
     else:
         with torch.no_grad():
-            out = _fp8_mm(x2d, weight, cfg, cdt)
+            out = _fp8_mm(x2d, weight, cfg, cdt, None if bias is None else bias.to(cdt))
         if out is None:
             return _weight_only(x, weight, bias, cdt)
-    if bias is not None:
-        out = out + bias.to(cdt)
     return out.reshape(*x.shape[:-1], out_f)
