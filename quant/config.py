@@ -11,7 +11,7 @@ from .layouts import QuantizationError
 __all__ = ["ComputeConfig", "PATHS", "ACTIVATION_SCALINGS"]
 
 PATHS = ("auto", "fp8", "weight_only")
-ACTIVATION_SCALINGS = ("static", "dynamic_tensor", "dynamic_row")
+ACTIVATION_SCALINGS = ("auto", "static", "dynamic_tensor", "dynamic_row")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class ComputeConfig:
                       logs once and falls back to weight-only
         "weight_only" dequantize the weight into the compute dtype and run a plain matmul
     activation_scaling:
+        "auto"           the fastest scaling whose accuracy is at least dynamic per tensor's:
+                         dynamic per row (one fused pass, no reduction over the whole tensor)
         "static"         use the weight's ``input_scale`` (dynamic per tensor when it has none)
         "dynamic_tensor" one scale per call from the activation's absolute maximum
         "dynamic_row"    one scale per activation row (token)
@@ -32,7 +34,7 @@ class ComputeConfig:
     """
 
     path: str = "auto"
-    activation_scaling: str = "static"
+    activation_scaling: str = "auto"
     compute_dtype: torch.dtype | None = None
 
     def __post_init__(self):
