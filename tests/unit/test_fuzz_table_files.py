@@ -1,0 +1,164 @@
+"""Fuzz: hostile and broken engram table files end in a TableFileError naming the file, or a correct
+read. Never a crash, a hang, a huge allocation, or a read outside the file.
+
+Seeded corruptions (tests/helpers/fuzz_files.py) of a BF16 and an FP8 table file: header length,
+header JSON, truncation, data_offsets, dtypes, shapes, the `engram.*` metadata JSON (geometry,
+format, version, hashing, streams), the packed scale tensors, data bytes. Each case is read whole with
+`read_table_file`; a successful read must return exactly the rows and scales the file's own header
+places at each key (checked with an independent parser). Counts go to
+test-artifacts/fuzz_table_files.json.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from fp8_engram.engram import ue8m0
+from fp8_engram.engram.table_file import TableFileError, read_table_file, rows_key, scales_key, write_table_file
+from helpers import fuzz_files as fz
+
+pytestmark = pytest.mark.unit
+
+SEED = 1201
+SLOW_CASE_S = 5.0
+HIDDEN = 128
+ROWS = (64, 48)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("table_src")
+    g = torch.Generator().manual_seed(5)
+    tables = [torch.randn(n, HIDDEN, generator=g) for n in ROWS]
+    bf16 = folder / "bf16.safetensors"
+    write_table_file(bf16, [t.to(torch.bfloat16) for t in tables], hashing={"seed": 1, "heads": [8, 8]},
+                     streams=[{"name": "clip_l", "rows": [0, 77]}])
+    fp8 = folder / "fp8.safetensors"
+    pairs = [ue8m0.quantize_rows(t) for t in tables]
+    write_table_file(fp8, [q for q, _ in pairs], [sf for _, sf in pairs], hashing={"seed": 2}, streams=None)
+    return {"bf16": bf16, "fp8": fp8}
+
+
+def _geometry_rewrites(rng: random.Random, raw: bytes) -> dict[str, list[tuple[str, str]]]:
+    header, _ = fz.split(raw)
+    geo = json.loads(header["__metadata__"]["engram.geometry"])
+
+    def g(**changes):
+        return json.dumps({**geo, **changes})
+
+    structural = [
+        ("layers_plus_one", g(num_layers=geo["num_layers"] + 1)), ("layers_negative", g(num_layers=-1)),
+        ("hidden_zero", g(hidden=0)), ("hidden_negative", g(hidden=-HIDDEN)), ("hidden_huge", g(hidden=2**62)),
+        ("hidden_text", g(hidden="wide")), ("hidden_infinity", json.dumps(geo).replace(f'"hidden": {HIDDEN}', '"hidden": Infinity')),
+        ("rows_longer", g(rows_per_layer=[n + 1 for n in geo["rows_per_layer"]])), ("rows_text", g(rows_per_layer="64,48")),
+        ("rows_huge", g(rows_per_layer=[2**62] * geo["num_layers"])), ("dtype_unknown", g(dtype="float4")),
+        ("dtype_list", g(dtype=["bfloat16"])), ("packs_wrong", g(num_sf_packs=geo["num_sf_packs"] + 1)),
+        ("not_object", "[1, 2]"), ("missing_keys", "{}"),
+    ]
+    hostile = sorted(fz.HOSTILE_JSON.items())
+    return {
+        "engram.geometry": rng.sample(structural, 9) + rng.sample(hostile, 3),
+        "engram.hashing": rng.sample(hostile, 2),
+        "engram.streams": rng.sample(hostile, 2),
+        "engram.format": [("other", "fp8-engram-tablez")],
+        "engram.format_version": [("newer", "2")],
+    }
+
+
+def make_cases(files) -> list[fz.Case]:
+    rng = random.Random(SEED)
+    cases: list[fz.Case] = []
+    for kind, path in files.items():
+        raw = path.read_bytes()
+        for _ in range(3):  # more draws of the generic corruptions: these files are small and fast
+            cases += fz.header_length_cases(rng, raw)
+            cases += fz.header_byte_cases(rng, raw)
+            cases += fz.truncate_cases(rng, raw)
+            cases += fz.offsets_cases(rng, raw)
+            cases += fz.dtype_cases(rng, raw)
+            cases += fz.shape_cases(rng, raw)
+            cases += fz.data_byte_cases(rng, raw)
+        cases += fz.metadata_cases(rng, raw, _geometry_rewrites(rng, raw))
+        if kind == "fp8":
+            for layer in range(len(ROWS)):
+                key = scales_key(layer)
+                dtype, shape, data = fz.tensor_bytes(raw, key)
+                cases.append(fz.Case("tensor", f"scales_shape:{key}", fz.replace_tensor(raw, key, torch.zeros(shape[0], shape[1] + 1, dtype=torch.int32)), True))
+                cases.append(fz.Case("tensor", f"scales_float:{key}", fz.replace_tensor(raw, key, torch.zeros(shape, dtype=torch.float32)), True))
+                cases.append(fz.Case("tensor", f"scales_missing_rows:{key}", fz.replace_tensor(raw, key, torch.zeros(shape[0] - 1, shape[1], dtype=torch.int32)), True))
+        for layer in range(len(ROWS)):
+            key = rows_key(layer)
+            dtype, shape, data = fz.tensor_bytes(raw, key)
+            cases.append(fz.Case("tensor", f"rows_short:{key}", fz.replace_tensor(raw, key, dtype=None, shape=[shape[0] - 1, shape[1]],
+                                                                                  data=data[: (shape[0] - 1) * shape[1] * dtype.itemsize]), True))
+    return cases
+
+
+def check_read(raw: bytes, tables, scales, metadata) -> str | None:
+    header, _ = fz.split(raw)
+    for layer, table in enumerate(tables):
+        dtype, shape, data = fz.tensor_bytes(raw, rows_key(layer))
+        if table.dtype != dtype or list(table.shape) != shape:
+            return f"layer {layer}: rows {table.dtype} {list(table.shape)}, file {dtype} {shape}"
+        if table.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() != data:
+            return f"layer {layer}: row bytes differ from the file's"
+        if scales is not None:
+            sdt, sshape, sdata = fz.tensor_bytes(raw, scales_key(layer))
+            if list(scales[layer].shape) != sshape or scales[layer].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() != sdata:
+                return f"layer {layer}: scales differ from the file's"
+    return None
+
+
+def run_case(path, case: fz.Case) -> tuple[str, str | None]:
+    path.write_bytes(case.data)
+    try:
+        tables, scales, metadata = read_table_file(path)
+    except TableFileError as exc:
+        if str(path) not in str(exc):
+            return "error_without_file_name", f"TableFileError does not name the file: {exc}"
+        return "named_error", None
+    except Exception as exc:  # noqa: BLE001 - any other exception is the bug this test looks for
+        return "crash", f"{type(exc).__name__}: {str(exc)[:300]}"
+    if case.must_fail:
+        return "loaded_but_must_fail", "the file was read, but only an error is right for it"
+    problem = check_read(case.data, tables, scales, metadata)
+    return ("loaded" if problem is None else "wrong_load"), problem
+
+
+def test_good_table_files_pass_the_content_check(files):
+    for path in files.values():
+        tables, scales, metadata = read_table_file(path)
+        assert check_read(path.read_bytes(), tables, scales, metadata) is None
+        tables[0].view(torch.uint8)[0, 0] ^= 1  # the check can fail
+        assert "differ" in check_read(path.read_bytes(), tables, scales, metadata)
+
+
+def test_fuzzed_table_files_end_in_a_named_error_or_a_correct_read(files, tmp_path, artifacts_dir):
+    cases = make_cases(files)
+    assert len(cases) >= 150
+    outcomes = fz.Outcomes()
+    target = tmp_path / "fuzzed.safetensors"
+    faulthandler.dump_traceback_later(600, exit=True)
+    try:
+        with fz.memory_ceiling(1 << 30):
+            for case in cases:
+                t0 = time.perf_counter()
+                outcome, problem = run_case(target, case)
+                dt = time.perf_counter() - t0
+                if dt > SLOW_CASE_S and problem is None:
+                    outcome, problem = "slow", f"took {dt:.1f} s"
+                outcomes.add(case, outcome, dt, problem)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    record = outcomes.record("table_files")
+    (artifacts_dir / "fuzz_table_files.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record))
+    assert not outcomes.failures, "\n".join(outcomes.failures[:40])
+    totals = outcomes.totals()
+    assert totals.get("named_error", 0) > 100 and totals.get("loaded", 0) > 5
