@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_BY_NAME = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+# ComfyUI 0.29's "mxfp8": e4m3fn data, one UE8M0 scale per 32 inputs (quant/mxfp8.py); data dtype per format
+MXFP8_FORMAT = "mxfp8"
+COMFY_FORMATS = {**FP8_BY_NAME, MXFP8_FORMAT: torch.float8_e4m3fn}
 
 # safetensors dtype strings -> torch dtypes (the ones a checkpoint can hold)
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -58,7 +61,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
     if hasattr(torch, _attr):
         ST_DTYPES[_name] = getattr(torch, _attr)
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
@@ -444,9 +447,9 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
             if not isinstance(entry, dict):
                 raise _err(path, f"{mk}.layers.{name}", f"layer entry is {type(entry).__name__} {entry!r}, not an object",
                            '{"format": "float8_e4m3fn"} (the plain-string form crashes ComfyUI 0.3.75)')
-            if not isinstance(entry.get("format"), str) or entry.get("format") not in FP8_BY_NAME:
+            if not isinstance(entry.get("format"), str) or entry.get("format") not in COMFY_FORMATS:
                 raise _err(path, f"{mk}.layers.{name}", f"unsupported layer format {_short(entry.get('format'))}",
-                           "'float8_e4m3fn' or 'float8_e5m2'")
+                           "'float8_e4m3fn', 'float8_e5m2' or 'mxfp8'")
             meta_layers[name] = entry
 
     block_hint = None
@@ -497,6 +500,7 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
         if len(e.shape) != 2:
             raise _err(path, wk, f"quantized weight has shape {list(e.shape)}", "a 2-D linear weight [out, in]")
         full_precision_mm = False
+        comfy_format = None
         extra: list[str] = []
         hint = block_hint
         if has_cq:
@@ -511,9 +515,11 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
                            f"at most {MAX_COMFY_QUANT_BYTES:,} bytes of JSON")
             raw = rd.get(cq_key)
             cq = _loads(path, cq_key, raw.numpy().tobytes(), expected)
-            if not isinstance(cq, dict) or not isinstance(cq.get("format"), str) or cq["format"] not in FP8_BY_NAME:
-                raise _err(path, cq_key, f"comfy_quant says {_short(cq)}", "an object with format 'float8_e4m3fn' or 'float8_e5m2'")
-            if FP8_BY_NAME[cq["format"]] != e.dtype:
+            if not isinstance(cq, dict) or not isinstance(cq.get("format"), str) or cq["format"] not in COMFY_FORMATS:
+                raise _err(path, cq_key, f"comfy_quant says {_short(cq)}",
+                           "an object with format 'float8_e4m3fn', 'float8_e5m2' or 'mxfp8'")
+            comfy_format = cq["format"]
+            if COMFY_FORMATS[cq["format"]] != e.dtype:
                 raise _err(path, cq_key, f"comfy_quant format {cq['format']} but the weight is {_fp8_name(e.dtype)}",
                            "the format to match the weight's dtype")
             full_precision_mm = bool(cq.get("full_precision_matrix_mult", False))
@@ -529,7 +535,8 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
         if in_meta:
             source = COMFY_METADATA
             fmt = meta_layers[name]["format"]
-            if FP8_BY_NAME[fmt] != e.dtype:
+            comfy_format = comfy_format or fmt
+            if COMFY_FORMATS[fmt] != e.dtype:
                 raise _err(path, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}",
                            f"metadata says {fmt} but the weight is {_fp8_name(e.dtype)}", "matching dtypes")
             full_precision_mm = full_precision_mm or bool(meta_layers[name].get("full_precision_matrix_mult", False))
@@ -550,10 +557,21 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
         suffix = present[0]
         scale_key = name + suffix
         se = T[scale_key]
-        gran, block, norm_shape = infer_layout(path, scale_key, e.shape, se.shape, source, hint)
-        if source == COMFY_SCALED and gran != "tensor":
-            source = MUSUBI  # a marker with non-scalar scales: musubi writes those
-        scale = _check_scale_values(path, scale_key, rd.get(scale_key)).reshape(norm_shape)
+        if comfy_format == MXFP8_FORMAT:
+            from .layouts import QuantizationError
+            from .mxfp8 import scales_from_file
+
+            gran, block = "mxfp8", None
+            try:
+                scale = scales_from_file(rd.get(scale_key), e.shape)
+            except QuantizationError as exc:
+                raise _err(path, scale_key, f"bad MXFP8 block scales ({exc})",
+                           "UE8M0 bytes in cuBLAS's 128x4 tiled order, one per row and 32 inputs") from exc
+        else:
+            gran, block, norm_shape = infer_layout(path, scale_key, e.shape, se.shape, source, hint)
+            if source == COMFY_SCALED and gran != "tensor":
+                source = MUSUBI  # a marker with non-scalar scales: musubi writes those
+            scale = _check_scale_values(path, scale_key, rd.get(scale_key)).reshape(norm_shape)
         in_key = None
         for s in _INPUT_SCALE_SUFFIXES:
             if name + s in T:
@@ -690,6 +708,10 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
 def make_layout(info: LayerInfo):
     from .layouts import Block, PerRow, PerTensor
 
+    if info.granularity == "mxfp8":
+        from .mxfp8 import MXFP8
+
+        return MXFP8()
     if info.granularity == "tensor":
         return PerTensor()
     if info.granularity == "row":
