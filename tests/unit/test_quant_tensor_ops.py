@@ -81,7 +81,24 @@ def test_cuda_round_trip_keeps_fp8(layout):
     assert isinstance(on_gpu, QuantizedTensor) and on_gpu.qdata.is_cuda and on_gpu.scale.is_cuda
     assert on_gpu.qdata.dtype == torch.float8_e4m3fn
     assert _same(on_gpu.cpu(), qt)
-    assert torch.equal(on_gpu.dequantize().cpu(), qt.dequantize())
+    # bit for bit on both devices (CUDA dequantizes in kernels.dequant, which rounds as the CPU)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(on_gpu.dequantize(dtype).cpu(), qt.dequantize(dtype)), dtype
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS + [Block(48, 80)], ids=str)
+def test_off_cpu_dequantization_rounds_like_the_cpu(layout, fp8):
+    """The rule off the CPU (float32 product rounded once; per-row/block scales rounded to bf16
+    first for bf16 output, as the CPU's bf16 x bf16 multiply does) gives the CPU's bits. Checked
+    here with the torch twin on CPU tensors; the CUDA test above checks the device itself."""
+    from fp8_engram.quant.kernels import dequant
+
+    qt = _qt(layout, fp8)
+    block = (layout.rows, layout.cols) if isinstance(layout, Block) else (1, 192)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        twin = dequant.dequantize_torch(qt.qdata, qt.scale, block, dtype, isinstance(layout, PerTensor))
+        assert torch.equal(twin, qt.dequantize(dtype)), dtype
 
 
 def test_to_float_dtype_returns_the_dequantized_tensor():

@@ -1,0 +1,142 @@
+"""The FP8 kernels natively on a CUDA GPU: the same bytes and scales as the torch twins, the same
+dequantized bits as the CPU, GEMM accuracy against float64, and every linear path (fp8 with each
+activation scaling, block-wise where this torch supports it, weight-only fused and through
+cuBLAS) without a fallback. All skip without a GPU; names contain ``cuda`` for ``-k cuda``."""
+
+import importlib
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, fp8_supported
+from fp8_engram.quant import kernels
+from fp8_engram.quant.kernels import act_quant, dequant, weight_only_gemm
+from fp8_engram.quant.tensor import reset_log_once
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+HAS_FP8_GPU = torch.cuda.is_available() and fp8_supported(torch.device("cuda"))
+quant_linear = importlib.import_module("fp8_engram.quant.linear")
+needs_fp8 = pytest.mark.skipif(not HAS_FP8_GPU,
+                               reason="needs a CUDA GPU with FP8 matrix units (capability 8.9+)")
+needs_triton = pytest.mark.skipif(not kernels.HAS_TRITON, reason="needs triton on the CUDA machine")
+
+
+def sqnr(ref, x):
+    ref = ref.double()
+    return (20 * torch.log10(ref.norm() / (ref - x.double()).norm())).item()
+
+
+def _bytes_equal(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _x(m, k, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k + 8, generator=g) * torch.logspace(-3, 2, m)[:, None]
+    x[1] = 0
+    return x.to(dtype).cuda()[:, 8:]  # non-contiguous rows
+
+
+@needs_fp8
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("k", [45, 3072, 20000])
+def test_cuda_activation_kernels_give_the_twins_bytes(k, dtype):
+    x = _x(37, k, dtype)
+    q, s = act_quant.quantize_rows(x)
+    q_ref, s_ref = act_quant.quantize_rows_torch(x)
+    assert _bytes_equal(q, q_ref) and torch.equal(s, s_ref)
+    st = torch.tensor(0.01, device="cuda")
+    assert _bytes_equal(act_quant.quantize_tensor(x, st), act_quant.quantize_tensor_torch(x, st))
+    qg, sg = act_quant.quantize_groups(x)
+    qg_ref, sg_ref = act_quant.quantize_groups_torch(x)
+    assert _bytes_equal(qg, qg_ref) and torch.equal(sg, sg_ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow(), Block(128, 128), Block(1, 64),
+                                    Block(48, 80)], ids=str)
+def test_cuda_dequantize_gives_the_cpu_bits(layout, fp8):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 520, generator=g) * torch.logspace(-4, 1, 300)[:, None]
+    qt = QuantizedTensor.from_float(w, layout, fp8_dtype=fp8)
+    on_gpu = qt.to("cuda")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(on_gpu.dequantize(dtype).cpu(), qt.dequantize(dtype)), dtype
+        block = (layout.rows, layout.cols) if isinstance(layout, Block) else (1, 520)
+        twin = dequant.dequantize_torch(on_gpu.qdata, on_gpu.scale, block, dtype,
+                                        isinstance(layout, PerTensor))
+        assert torch.equal(twin.cpu(), qt.dequantize(dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow()], ids=str)
+@pytest.mark.parametrize("m", [1, 77, 256, 1500])
+def test_cuda_weight_only_gemm_is_accurate(m, layout):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(1024, 768, generator=g) * 0.02
+    qt = QuantizedTensor.from_float(w, layout).to("cuda")
+    x = torch.randn(m, 768, generator=g).to(torch.bfloat16).cuda()
+    b = torch.randn(1024, generator=g).to(torch.bfloat16).cuda()
+    ref = F.linear(x.double(), qt.dequantize(torch.float64), b.double())
+    for method in ("fused", "dequant", "auto"):
+        y = kernels.weight_only_linear(x, qt.qdata, qt.scale, (1, 768),
+                                       isinstance(layout, PerTensor), b, method)
+        assert sqnr(ref, y) >= 45.0, method
+    y = weight_only_gemm.weight_only_linear_triton(x, qt.qdata, qt.scale, b,
+                                                   isinstance(layout, PerTensor), autotune=False)
+    assert sqnr(ref, y) >= 45.0
+
+
+@needs_fp8
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow()], ids=str)
+@pytest.mark.parametrize("scaling", ["auto", "static", "dynamic_tensor", "dynamic_row"])
+def test_cuda_fp8_path_is_accurate_and_does_not_fall_back(layout, scaling, caplog):
+    reset_log_once()
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(512, 1024, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(3, 50, 1024, generator=g).to(torch.bfloat16)
+    b = (torch.randn(512, generator=g) * 0.1).to(torch.bfloat16)
+    qt = QuantizedTensor.from_float(w, layout, input_scale=x.float().abs().amax() / 448,
+                                    config=ComputeConfig(activation_scaling=scaling)).to("cuda")
+    ref = F.linear(x.double(), w.double(), b.double())
+    with caplog.at_level(logging.WARNING):
+        for dtype in (torch.bfloat16, torch.float16):
+            y = F.linear(x.to(dtype).cuda(), qt, b.to(dtype).cuda())
+            assert y.dtype == dtype and y.shape == (3, 50, 512)
+            assert sqnr(ref, y.cpu()) >= 27.0
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+
+
+@needs_fp8
+def test_cuda_block_weights_use_block_scaling_where_torch_has_it(caplog):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(256, 512, generator=g) * torch.logspace(-2, 0, 256)[:, None]
+    x = torch.randn(64, 512, generator=g).to(torch.bfloat16)
+    ref = F.linear(x.double(), w.double())
+    for layout in (Block(128, 128), Block(1, 64)):
+        qt = QuantizedTensor.from_float(w, layout).to("cuda")
+        with caplog.at_level(logging.WARNING):
+            y = F.linear(x.cuda(), qt)
+        assert sqnr(ref, y.cpu()) >= 27.0
+    wants = quant_linear._wants_fp8(x.cuda(), QuantizedTensor.from_float(w, Block(128, 128)).to("cuda"),
+                                    ComputeConfig())
+    assert wants == quant_linear.blockwise_supported(torch.device("cuda"))
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+
+
+@needs_fp8
+def test_cuda_forced_weight_only_takes_the_kernels(monkeypatch):
+    calls = []
+    real = kernels.weight_only_linear
+    monkeypatch.setattr(kernels, "weight_only_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = torch.randn(256, 512) * 0.02
+    qt = QuantizedTensor.from_float(w, PerRow(), config=ComputeConfig(path="weight_only")).to("cuda")
+    x = torch.randn(4, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.inference_mode():
+        y = F.linear(x, qt)
+    assert calls and sqnr(F.linear(x.double(), w.double().cuda()), y) >= 30
