@@ -1,10 +1,17 @@
-"""Benchmark: FP8 QuantizedTensor linear vs bf16 F.linear (and vs ComfyUI 0.3.75's own
-QuantizedTensor linear on the same FP8 weights, when a ComfyUI tree is present).
+"""Benchmark: FP8 QuantizedTensor linear vs bf16 F.linear, side by side in one process.
 
-Shapes: a square 4096 case and Flux-like MLP shapes (tokens x 3072 -> 12288 and 12288 -> 3072).
-All variants run under torch.inference_mode() (as ComfyUI runs models), interleaved round-robin
-in one process; the ratio of best-of-N times is reported (medians printed too).
-On CUDA the fp8 x fp8 path (scaled_mm) is timed against bf16 as well.
+CPU (default without a GPU): a square 4096 case and Flux-like MLP shapes; bf16 F.linear vs our
+weight-only path (and vs ComfyUI 0.3.75's own QuantizedTensor linear on the same FP8 weights, when
+a ComfyUI tree is present). Statistic: best of N interleaved rounds (wall clock); printed as the
+time ratio (variant / bf16, lower is better) and the speedup (bf16 / variant, higher is better).
+
+CUDA (``--device cuda``): the shapes of issue 10 (Flux 4608 tokens, 1024 and 256 tokens, Wan-14B
+FFN) with bias, timed with CUDA events in interleaved rounds; statistic: median over rounds of the
+mean time per call. Variants: bf16 F.linear (anchor), the scaled_mm floor (pre-quantized
+activation), ours auto / static input_scale / dynamic per tensor / weight-only (forced, plus its
+fused-GEMM and dequantize+cuBLAS halves), comfy_kitchen's FP8 QuantizedTensor (when it imports),
+torchao float8 dynamic (when it imports). Each variant's output SQNR vs float64 (on the first
+rows). Then a whole Flux-sized double block (linears + attention + norms), bf16 vs our FP8.
 
     .venv/bin/python bench/quant_linear.py [--device cpu|cuda] [--repeats N] [--quick]
 
@@ -66,6 +73,11 @@ def time_round_robin(fns: dict, repeats: int, device: str) -> dict:
     return times
 
 
+def _sqnr(ref: torch.Tensor, y: torch.Tensor) -> float:
+    ref = ref.double()
+    return round((20 * torch.log10(ref.norm() / (ref - y.double()).norm())).item(), 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -73,6 +85,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
     args = ap.parse_args()
     device = args.device
+    if device == "cuda":
+        from _quant_linear_cuda import main_cuda  # bench/_quant_linear_cuda.py
+
+        main_cuda(args)
+        return
     repeats = args.repeats or (3 if device == "cpu" else 20)
     load_before = os.getloadavg()[0]
 
@@ -91,7 +108,8 @@ def main() -> None:
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
           f"repeats={repeats} loadavg={load_before:.2f} comfyui={'yes' if quant_ops else 'absent'} fp8_units={fp8_units}")
 
-    header = f"{'shape':14s} {'tokens':>6s} {'in':>6s} {'out':>6s} {'variant':22s} {'best ms':>9s} {'median ms':>10s} {'vs bf16':>8s}"
+    header = (f"{'shape':14s} {'tokens':>6s} {'in':>6s} {'out':>6s} {'variant':22s} {'best ms':>9s} "
+              f"{'median ms':>10s} {'time/bf16':>9s} {'speedup':>8s}")
     print(header)
     print("-" * len(header))
     results = []
@@ -128,9 +146,23 @@ def main() -> None:
         for variant, ts in times.items():
             best, med = min(ts), statistics.median(ts)
             print(f"{name:14s} {tokens:6d} {in_f:6d} {out_f:6d} {variant:22s} {best * 1e3:9.1f} "
-                  f"{med * 1e3:10.1f} {best / base_best:8.3f}")
+                  f"{med * 1e3:10.1f} {best / base_best:9.3f} {base_best / best:8.3f}")
             row[f"ms[{variant}]"] = round(best * 1e3, 2)
         row["ours_vs_bf16"] = round(min(times["ours weight-only/tensor"]) / base_best, 3)
+        row["ours_speedup"] = round(base_best / min(times["ours weight-only/tensor"]), 3)
+        with torch.inference_mode():  # accuracy on the first rows (float64 is slow on the CPU)
+            xs = x[:64]
+            ref = F.linear(xs.double(), w.double())
+            row["sqnr_db"] = {
+                "bf16": _sqnr(ref, F.linear(xs, w)),
+                "weight-only": _sqnr(ref, F.linear(xs, ours_pt)),
+                "fp8 forced (dynamic row)": _sqnr(ref, F.linear(xs, ours_pt.with_config(
+                    ComputeConfig(path="fp8", activation_scaling="dynamic_row")))),
+                "fp8 forced (dynamic tensor)": _sqnr(ref, F.linear(xs, ours_pt.with_config(
+                    ComputeConfig(path="fp8", activation_scaling="dynamic_tensor")))),
+            }
+        print("SQNR vs float64 (dB, first 64 rows): " + ", ".join(
+            f"{k} {v}" for k, v in row["sqnr_db"].items()))
         if quant_ops is not None:
             row["ours_vs_comfyui"] = round(min(times["ours weight-only/tensor"])
                                            / min(times["comfyui 0.3.75"]), 3)
@@ -150,7 +182,7 @@ def main() -> None:
                "repeats": repeats, "loadavg_1min": [round(load_before, 2),
                                                     round(os.getloadavg()[0], 2)],
                "comfyui": quant_ops is not None, "fp8_units": fp8_units,
-               "statistic": "ratio of best-of-N times (interleaved)",
+               "statistic": "ratio of best-of-N times (interleaved); speedup = bf16 / variant",
                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                "cases": results}
     print("ratios: ours/bf16 " + ", ".join(f"{r['shape']}@{r['tokens']}={r['ours_vs_bf16']}" for r in results))
