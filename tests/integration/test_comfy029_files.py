@@ -14,14 +14,13 @@ Runs where the ComfyUI in use is 0.29 or newer (CI's second leg); skips elsewher
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import fp8_files
+from helpers import comfy029, fp8_files
 from helpers.host import comfy_in_process
 
 pytestmark = pytest.mark.integration
@@ -49,31 +48,8 @@ def _sd() -> dict[str, torch.Tensor]:
     return fp8_files.small_float_sd(seed=4)
 
 
-def stock_write(c29, sd: dict, fmt: str) -> tuple[dict, dict]:
-    """Quantize every linear of `sd` with 0.29's layout for `fmt` and serialize it with 0.29's own
-    mixed-precision Linear. Returns (state dict as 0.29 writes it, {weight key: 0.29 QuantizedTensor})."""
-    qo = c29.qo
-    layout_name = qo.QUANT_ALGOS[fmt]["comfy_tensor_layout"]
-    layout = qo.get_layout_class(layout_name)
-    ops = c29.ops.mixed_precision_ops(compute_dtype=torch.bfloat16)
-    out, theirs = {}, {}
-    for key, w in sd.items():
-        if not fp8_files.default_quantize(key, w):
-            out[key] = w
-            continue
-        layer = key[: -len(".weight")]
-        if fmt == "mxfp8":
-            qdata, params = layout.quantize(w)
-        else:
-            qdata, params = layout.quantize(w, scale="recalculate")
-        lin = ops.Linear(w.shape[1], w.shape[0], bias=False)
-        conf = torch.tensor(list(json.dumps({"format": fmt}).encode("utf-8")), dtype=torch.uint8)
-        lin.load_state_dict({"weight": qdata, "weight_scale": params.scale, "comfy_quant": conf}, strict=False)
-        assert isinstance(lin.weight, qo.QuantizedTensor), "0.29 did not load its own quantized layer"
-        theirs[key] = lin.weight
-        for k, v in lin.state_dict().items():
-            out[f"{layer}.{k}"] = v
-    return out, theirs
+def stock_write(c29, sd: dict, fmt: str):
+    return comfy029.stock_write(c29.qo, c29.ops, sd, fmt)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
