@@ -206,7 +206,11 @@ class LocalEngramBuffer:
             )
         self.gather_mode = gather
         if gather == "triton":
-            self._build_kernel_tables()
+            try:
+                self._build_kernel_tables()
+            except BaseException:
+                self.destroy()
+                raise
         barrier(group, self._coll_device, self.device)
 
     # ----- setup -----
@@ -267,7 +271,10 @@ class LocalEngramBuffer:
     def _build_kernel_tables(self) -> None:
         """Device tables of the one-pass kernel: shard base addresses, and per layer (rows, offsets)."""
         layout = self.layout
-        self._bases = torch.tensor([p.data_ptr() for p in self._memory.peers], dtype=torch.int64).to(self.device)
+        addresses = [p.data_ptr() for p in self._memory.peers]
+        if any(a % 16 for a in addresses):
+            raise RuntimeError(f"the one-pass gather needs 16-byte aligned shards, got addresses {[hex(a) for a in addresses]}")
+        self._bases = torch.tensor(addresses, dtype=torch.int64).to(self.device)
         sf_offsets = layout.sf_offsets if self.use_fp8 else (0,) * self.num_layers
         meta = [[n, layout.table_offsets[l], sf_offsets[l]] for l, n in enumerate(self.num_entries_per_layer)]
         self._meta = torch.tensor(meta, dtype=torch.int64).to(self.device)
@@ -277,6 +284,8 @@ class LocalEngramBuffer:
     def _launch(self, ids: torch.Tensor, meta: torch.Tensor, out: torch.Tensor, sf_out: torch.Tensor | None, entries: int, sf_strides: tuple[int, int, int]) -> None:
         from .gather_triton import gather_rows
 
+        if ids.numel() == 0:
+            return
         layers = ids.shape[0]
         kwargs = dict(
             num_ranks=self.num_ranks,

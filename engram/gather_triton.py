@@ -64,6 +64,7 @@ if tl is not None:
         BLOCK_C: tl.constexpr,
         BLOCK_P: tl.constexpr,
         HAS_SF: tl.constexpr,
+        EVEN_C: tl.constexpr,
     ):
         # One program: BLOCK_R consecutive requested rows of one layer (program_id(1)).
         layer = tl.program_id(1).to(tl.int64)
@@ -86,9 +87,13 @@ if tl is not None:
         store_mask = in_range[:, None]
         for c in tl.static_range(0, ROW_WORDS, BLOCK_C):
             cols = c + tl.arange(0, BLOCK_C)
-            col_ok = (cols < ROW_WORDS)[None, :]
-            words = tl.load(src[:, None] + cols[None, :], mask=load_mask & col_ok, other=0)
-            tl.store(dst[:, None] + cols[None, :], words, mask=store_mask & col_ok)
+            if EVEN_C:  # the steps tile the row: masks constant along it, so accesses stay vectorized
+                words = tl.load(src[:, None] + cols[None, :], mask=load_mask, other=0)
+                tl.store(dst[:, None] + cols[None, :], words, mask=store_mask)
+            else:
+                col_ok = (cols < ROW_WORDS)[None, :]
+                words = tl.load(src[:, None] + cols[None, :], mask=load_mask & col_ok, other=0)
+                tl.store(dst[:, None] + cols[None, :], words, mask=store_mask & col_ok)
         if HAS_SF:
             sf_offset = tl.load(meta_ptr + layer * 3 + 2)
             packs = tl.arange(0, BLOCK_P)
@@ -153,7 +158,8 @@ def gather_rows(
     """Launch the gather over `layers = ids.shape[0]` layers.
 
     * `ids`: int32/int64 `[layers, rows]` contiguous, global row ids of each layer.
-    * `bases`: int64 `[num_ranks]` shard base addresses (as mapped in this process), on `out.device`.
+    * `bases`: int64 `[num_ranks]` shard base addresses (as mapped in this process), on `out.device`;
+      16-byte aligned, with every row at a 16-byte aligned offset (the kernel tells the compiler so).
     * `meta`: int64 `[layers, 3]` contiguous: rows per rank, table byte offset, scale byte offset.
     * `out`: int32 `[layers, rows, row_words]` contiguous (row `i` of layer `l` gets id `ids[l, i]`).
     * `sf_out`: int32 tensor whose storage holds the scale layout (only its data pointer is used):
@@ -200,5 +206,6 @@ def gather_rows(
         BLOCK_C=block_c,
         BLOCK_P=block_p,
         HAS_SF=has_sf,
+        EVEN_C=row_words % block_c == 0,
         **launch_kwargs,
     )

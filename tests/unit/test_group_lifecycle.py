@@ -1,0 +1,238 @@
+"""Engram groups come and go in one process: several at once, one after another, any size and rank count.
+
+Every fetch is checked against an independent implementation: LocalRowStore (plain tensors, one select)
+filled with the same writes, compared bit for bit, and the DeepEP-style `buffer.fetch` against row-by-row
+lookups in those tables (rows and scale factors, both layouts, invalid ids). On CUDA the groups also
+fetch without synchronizing the host, replay a captured CUDA graph with new indices, and hand their GPU
+memory back on close.
+"""
+
+import gc
+import os
+
+import pytest
+import torch
+
+from fp8_engram.engram.allocators import leftover_segments
+from fp8_engram.engram.group import EngramGroup, EngramWorkerError
+from fp8_engram.engram.store import LocalRowStore
+
+pytestmark = pytest.mark.unit
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ENTRIES = 4
+MAX_TOKENS = 16
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def _fill(group: EngramGroup, seed: int) -> LocalRowStore:
+    """Write the same random rows into the group and into a LocalRowStore; returns the latter.
+
+    Every row is written (the two start with different scale words in unwritten FP8 rows), a third of
+    them twice: the last value wins in both.
+    """
+    local = LocalRowStore(group.rows_per_layer, group.hidden, group.table_dtype)
+    g = torch.Generator().manual_seed(seed)
+    for layer, n in enumerate(group.rows_per_layer):
+        ids = torch.cat([torch.randperm(n, generator=g), torch.randint(0, n, (n // 3,), generator=g)])
+        values = torch.randn(ids.numel(), group.hidden, generator=g)
+        group.write_rows(layer, ids, values)
+        local.write_rows(layer, ids, values)
+    return local
+
+
+def _indices(group: EngramGroup, tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    top = max(group.rows_per_layer)
+    idx = torch.randint(-3, top + 4, (group.num_layers, tokens, ENTRIES), generator=g, dtype=torch.int32)
+    idx[0, 0, 0] = -1
+    idx[-1, -1, -1] = group.rows_per_layer[-1]  # first id past the table
+    return idx
+
+
+def _expected(local: LocalRowStore, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row bytes (and scale rows) of each id looked up one by one; zeros for invalid ids."""
+    table = local.tables[layer].view(torch.uint8)
+    rows = torch.zeros(ids.numel(), table.shape[1], dtype=torch.uint8)
+    sfs = torch.zeros(ids.numel(), local.scales[layer].shape[1], dtype=torch.int32) if local.scales is not None else None
+    for i, g in enumerate(ids.reshape(-1).tolist()):
+        if 0 <= g < table.shape[0]:
+            rows[i] = table[g]
+            if sfs is not None:
+                sfs[i] = local.scales[layer][g]
+    return rows, sfs
+
+
+def check_hooks(results: list, local: LocalRowStore, indices: torch.Tensor, tma: bool) -> int:
+    """The DeepEP-style fetch results against row-by-row lookups; returns how many tensors were compared."""
+    tokens = indices.shape[1]
+    checks = 0
+    for layer, result in enumerate(results):
+        data, sf = result if local.scales is not None else (result, None)
+        want_rows, want_sfs = _expected(local, layer, indices[layer])
+        assert torch.equal(data.view(torch.uint8).cpu().reshape(want_rows.shape), want_rows), f"rows of layer {layer}"
+        checks += 1
+        if sf is not None:
+            width = want_sfs.shape[1] * ENTRIES
+            if tma:
+                assert sf.stride() == (1, -(-tokens // 4) * 4), sf.stride()
+            else:
+                assert sf.stride() == (width, 1), sf.stride()
+            assert torch.equal(sf.cpu().contiguous(), want_sfs.reshape(tokens, width)), f"scales of layer {layer} (tma={tma})"
+            checks += 1
+    return checks
+
+
+def check_group(group: EngramGroup, local: LocalRowStore, seed: int) -> None:
+    """fetch_rows == LocalRowStore bit for bit; buffer.fetch == row-by-row lookups (both scale layouts)."""
+    indices = _indices(group, 7, seed)
+    for layer, (a, b) in enumerate(zip(group.fetch_rows(indices), local.fetch_rows(indices))):
+        assert torch.equal(a.cpu(), b), f"fetch_rows of layer {layer} differs from LocalRowStore ({group})"
+        assert float(b.abs().sum()) > 0, "the reference is all zero: the check would prove nothing"
+    for tma in (True, False):
+        hooks = group.buffer.fetch(indices.to(group.device), use_tma_aligned_col_major_sf=tma)
+        assert check_hooks([h() for h in hooks], local, indices, tma) == group.num_layers * (2 if local.scales is not None else 1)
+
+
+def test_three_cpu_groups_in_one_process_two_alive_at_once():
+    first = EngramGroup([500, 130], 256, torch.bfloat16, num_ranks=2, device="cpu", num_entries_per_token=ENTRIES, num_max_tokens=MAX_TOKENS)
+    second = None
+    third = None
+    try:
+        first_local = _fill(first, 1)
+        second = EngramGroup([301], 512, torch.float8_e4m3fn, num_ranks=3, device="cpu", num_entries_per_token=ENTRIES, num_max_tokens=MAX_TOKENS)
+        second_local = _fill(second, 2)
+        assert first.alive and second.alive
+        check_group(first, first_local, 10)
+        check_group(second, second_local, 11)
+        pids = first.worker_pids
+        first.close()
+        first.close()  # idempotent
+        assert not first.alive and all(_gone(p) for p in pids)
+        with pytest.raises(RuntimeError, match="closed"):
+            first.check()
+        # A third group, of another size and rank count, while the second lives on.
+        third = EngramGroup([64, 64, 96], 256, torch.bfloat16, num_ranks=1, device="cpu", num_entries_per_token=ENTRIES, num_max_tokens=MAX_TOKENS)
+        third_local = _fill(third, 3)
+        check_group(third, third_local, 12)
+        check_group(second, second_local, 13)
+        second.check()
+        third.check()
+    finally:
+        for g in (first, second, third):
+            if g is not None:
+                g.close()
+    assert not leftover_segments(os.getpid())
+
+
+def test_health_check_names_the_dead_rank():
+    import signal
+    import time
+
+    group = EngramGroup([64], 256, num_ranks=3, device="cpu")
+    try:
+        assert group.alive
+        group.check()
+        pid = group.worker_pids[1]  # rank 2
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while group.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not group.alive
+        with pytest.raises(EngramWorkerError, match="rank 2") as info:
+            group.check()
+        assert info.value.rank == 2
+    finally:
+        group.close()
+
+
+# ----- CUDA -----
+
+
+def _fetch_without_host_sync(group: EngramGroup, indices: torch.Tensor, tma: bool) -> list:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return [h() for h in group.buffer.fetch(indices, use_tma_aligned_col_major_sf=tma)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _fetch_in_graph(group: EngramGroup, first: torch.Tensor, second: torch.Tensor, tma: bool) -> tuple[list, object]:
+    static = first.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        group.buffer.fetch(static, use_tma_aligned_col_major_sf=tma)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = [h() for h in group.buffer.fetch(static, use_tma_aligned_col_major_sf=tma)]
+    static.copy_(second)
+    graph.replay()
+    torch.cuda.synchronize()
+    return results, graph
+
+
+def _exercise_cuda_group(group: EngramGroup, seed: int) -> None:
+    assert group.buffer.gather_mode == "triton", group.buffer.gather_mode
+    local = _fill(group, seed)
+    try:
+        check_group(group, local, seed + 100)
+        for tma in (True, False):
+            indices = _indices(group, 9, seed + 200 + tma)
+            check_hooks(_fetch_without_host_sync(group, indices.to(group.device), tma), local, indices, tma)
+            second = _indices(group, 9, seed + 300 + tma)
+            results, graph = _fetch_in_graph(group, indices.to(group.device), second.to(group.device), tma)
+            check_hooks(results, local, second, tma)
+            del results, graph
+    finally:
+        local.close()
+
+
+def _allocated(device: torch.device) -> int:
+    gc.collect()
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_cuda_groups_of_1_2_4_ranks_one_after_another(dtype):
+    device = torch.device("cuda", 0)
+    for ranks in (1, 2, 4):
+        before = _allocated(device)
+        group = EngramGroup([1000, 257], 256, dtype, num_ranks=ranks, device="cuda", num_entries_per_token=ENTRIES, num_max_tokens=MAX_TOKENS)
+        try:
+            assert _allocated(device) > before, "the host's shard is not on the GPU"
+            _exercise_cuda_group(group, seed=ranks)
+        finally:
+            pids = group.worker_pids
+            group.close()
+        assert all(_gone(p) for p in pids), f"a worker of the {ranks}-rank group outlived close()"
+        after = _allocated(device)
+        assert after == before, f"{ranks}-rank group: {after - before} bytes of GPU memory still allocated after close()"
+
+
+@needs_cuda
+def test_two_cuda_groups_alive_at_once():
+    first = EngramGroup([300], 256, torch.bfloat16, num_ranks=2, device="cuda", num_entries_per_token=ENTRIES, num_max_tokens=MAX_TOKENS)
+    second = None
+    try:
+        second = EngramGroup([200, 90], 512, torch.float8_e4m3fn, num_ranks=3, device="cuda", num_entries_per_token=ENTRIES, num_max_tokens=MAX_TOKENS)
+        _exercise_cuda_group(first, seed=21)
+        _exercise_cuda_group(second, seed=22)
+        first.close()
+        _exercise_cuda_group(second, seed=23)
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
