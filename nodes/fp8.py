@@ -360,7 +360,10 @@ class SaveFP8Model(io.ComfyNode):
         sd = model.model.diffusion_model.state_dict()
         sd = {k: (v.detach() if not isinstance(v, QuantizedTensor) else v) for k, v in sd.items()}
         source = getattr(model.model, SOURCE_DTYPES_ATTR, None)
-        dtypes, dtype_note = save.plain_dtypes(sd, SAVE_DTYPES[weight_dtype], source)
+        # ComfyUI holds every model in float32 on the CPU whatever its file held; bfloat16 is what models
+        # are published in, so it stands in for a source dtype this pack never saw.
+        unknown = torch.bfloat16 if comfy.model_management.get_torch_device().type == "cpu" else None
+        dtypes, dtype_note = save.plain_dtypes(sd, SAVE_DTYPES[weight_dtype], source, unknown)
         result = save.save_state_dict(sd, path, progress=_progress_fn(), dtypes=dtypes)
         report = formats.inspect_file(result.path)
         where = os.path.relpath(result.path, out_dir)

@@ -340,15 +340,17 @@ _SOURCE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 _FLOAT_WRITE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-def plain_dtypes(state_dict: dict, choice: torch.dtype | None = None,
-                 source: dict[str, torch.dtype] | None = None) -> tuple[dict[str, torch.dtype], str]:
+def plain_dtypes(state_dict: dict, choice: torch.dtype | None = None, source: dict[str, torch.dtype] | None = None,
+                 unknown: torch.dtype | None = None) -> tuple[dict[str, torch.dtype], str]:
     """Which dtype each plain (not quantized) floating tensor of `state_dict` is written in.
 
     `choice` a float dtype: every plain floating tensor in it (float8 tensors without a scale stay as
     they are). `choice` None ("as loaded"): each tensor's dtype in `source`, the dtypes of the file the
     model was loaded from (keys matched with or without a `model.diffusion_model.` style prefix); a key
-    the file does not have takes the file's most common float dtype; without a source, tensors keep
-    their in-memory dtype. A float8 source dtype is used only when the values fit it.
+    the file does not have takes the file's most common float dtype. Without a source, float32/float64
+    tensors are written as `unknown` when given (the caller knows the host upcast them, as ComfyUI
+    does on the CPU), else every tensor keeps its in-memory dtype. A float8 source dtype is used only
+    when the values fit it.
     Returns ({key: dtype}, a short description for the user).
     """
     plain = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor) and not is_quantized(v)
@@ -364,6 +366,12 @@ def plain_dtypes(state_dict: dict, choice: torch.dtype | None = None,
                                      "save it as bfloat16 or float32")
         return {k: choice for k in plain}, f"non-FP8 tensors written as {str(choice).removeprefix('torch.')}"
     if not source:
+        if unknown is not None:
+            out = {k: unknown for k, v in plain.items() if v.dtype in (torch.float32, torch.float64)}
+            out.update({k: v.dtype for k, v in plain.items() if k not in out})
+            names = sorted({str(d).removeprefix("torch.") for d in out.values()})
+            return out, (f"non-FP8 tensors written as {', '.join(names) or '-'} (the source file's dtypes are "
+                         "unknown for a model this pack did not load; pick weight_dtype to choose)")
         names = sorted({str(v.dtype).removeprefix("torch.") for v in plain.values()})
         return {}, (f"non-FP8 tensors written as in memory ({', '.join(names) or '-'}); the source file's dtypes "
                     "are unknown for a model this pack did not load")

@@ -120,11 +120,16 @@ def header_byte_cases(rng: random.Random, raw: bytes, count: int = 3) -> list[Ca
             pos = 8 + rng.randrange(n)
             data[pos] = rng.choice(b'{}[]":,0123456789-eE.\x00\xff') if rng.random() < 0.5 else rng.randrange(256)
         out.append(Case("header_bytes", f"header_bytes#{i}", bytes(data)))
-    # the whole header replaced by hostile JSON (the length field kept truthful)
     for name in rng.sample(sorted(HOSTILE_JSON), 2):
-        blob = HOSTILE_JSON[name].encode()
-        out.append(Case("header_bytes", f"header_json={name}", struct.pack("<Q", len(blob)) + blob + raw[8 + n :], True))
+        out.append(Case("header_bytes", f"header_json={name}", header_replaced(raw, HOSTILE_JSON[name]), True))
     return out
+
+
+def header_replaced(raw: bytes, text: str) -> bytes:
+    """The whole JSON header replaced by `text` (the length field kept truthful, the data kept)."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    blob = text.encode()
+    return struct.pack("<Q", len(blob)) + blob + raw[8 + n :]
 
 
 def truncate_cases(rng: random.Random, raw: bytes) -> list[Case]:

@@ -121,3 +121,70 @@ def test_streamed_file_is_valid_safetensors(tmp_path):
             assert got.dtype == v.dtype and got.shape == v.shape
             assert torch.equal(got.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else got,
                                v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v)
+
+
+@pytest.mark.parametrize("prefix", ["../escape", "fp8/../../escape", "/etc/fp8", "//server/share/x", "C:/models/x",
+                                    "c:model", "..\\escape", "fp8\\..\\..\\x", "a/..", "..", "fp8/\0x", "", "   ", "fp8/"])
+def test_output_prefix_that_leaves_the_folder_is_refused(tmp_path, prefix):
+    with pytest.raises(ValueError, match="filename_prefix"):
+        save.check_output_prefix(prefix, tmp_path)
+
+
+@pytest.mark.parametrize("prefix, clean, sub", [("fp8/model", "fp8/model", "fp8"), ("./fp8//model", "fp8/model", "fp8"),
+                                                ("model", "model", ""), ("a\\b/c", "a/b/c", "a/b"), (" x.y ", "x.y", "")])
+def test_output_prefix_inside_the_folder_is_kept(tmp_path, prefix, clean, sub):
+    got, folder = save.check_output_prefix(prefix, tmp_path)
+    assert got == clean
+    assert folder == os.path.join(os.path.realpath(tmp_path), *([sub] if sub else []))
+
+
+def test_output_prefix_through_a_link_out_of_the_folder_is_refused(tmp_path):
+    out = tmp_path / "output"
+    out.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (out / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="leads outside the output folder"):
+        save.check_output_prefix("link/model", out)
+
+
+def mixed_sd() -> dict:
+    """A quantized state dict as ComfyUI holds it on the CPU: FP8 weights, everything else float32."""
+    qsd, _ = quantize_state_dict(float_sd(), granularity="tensor")
+    return {k: (v if isinstance(v, QuantizedTensor) else v.float()) for k, v in qsd.items()}
+
+
+def test_plain_tensors_are_written_in_their_source_dtype(tmp_path):
+    sd = mixed_sd()
+    source = {"model.diffusion_model." + k: torch.bfloat16 for k in float_sd()}  # a checkpoint's prefixed keys
+    dtypes, note = save.plain_dtypes(sd, None, source)
+    plain = [k for k, v in sd.items() if not isinstance(v, QuantizedTensor)]
+    assert dtypes == {k: torch.bfloat16 for k in plain} and "as loaded (bfloat16)" in note
+    small = save.save_state_dict(sd, tmp_path / "as_loaded.safetensors", dtypes=dtypes)
+    big = save.save_state_dict(sd, tmp_path / "in_memory.safetensors")
+    with safe_open(small.path, framework="pt") as f:
+        for k in plain:
+            assert f.get_slice(k).get_dtype() == "BF16"
+            assert torch.equal(f.get_tensor(k), sd[k].to(torch.bfloat16))
+    plain_bytes = sum(sd[k].numel() for k in plain)
+    data = {r.path: formats.read_header(r.path).file_size - formats.read_header(r.path).data_start for r in (small, big)}
+    assert data[big.path] - data[small.path] == 2 * plain_bytes  # float32 -> bfloat16 halves exactly those
+    back, _ = formats.load_file(small.path)
+    assert all(isinstance(back[k], QuantizedTensor) for k in sd if isinstance(sd[k], QuantizedTensor))
+
+
+def test_plain_dtype_choices_and_fallbacks():
+    sd = mixed_sd()
+    plain = [k for k, v in sd.items() if not isinstance(v, QuantizedTensor)]
+    assert save.plain_dtypes(sd, torch.float16)[0] == {k: torch.float16 for k in plain}
+    assert save.plain_dtypes(sd, None, None)[0] == {}  # unknown source: as in memory
+    assert save.plain_dtypes(sd, None, None, torch.bfloat16)[0] == {k: torch.bfloat16 for k in plain}
+    # keys the source lacks take its most common float dtype
+    assert set(save.plain_dtypes(sd, None, {"other.weight": torch.float16})[0].values()) == {torch.float16}
+    # an unscaled float8 source tensor goes back to float8 only when the values fit
+    bias = "blocks.0.attn.qkv.bias"
+    src = {k: torch.bfloat16 for k in plain} | {bias: torch.float8_e4m3fn}
+    assert save.plain_dtypes(sd, None, src)[0][bias] == torch.float8_e4m3fn
+    sd_big = dict(sd, **{bias: sd[bias] * 1e4})
+    assert save.plain_dtypes(sd_big, None, src)[0][bias] == torch.bfloat16
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        save.plain_dtypes(dict(sd, **{bias: torch.full((3,), 1e6)}), torch.float16)
