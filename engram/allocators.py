@@ -5,15 +5,16 @@
   fetch can gather every requested row with a single `index_select` over all shards (`unified`). Each
   creator unlinks its file as soon as every rank has mapped it: from then on nothing is left behind,
   whichever process dies. One-rank groups use plain memory.
-* CUDA (default, `cuda_ipc_allocator`): each rank allocates its shard with torch's ordinary CUDA
-  allocator and hands every peer a CUDA IPC handle of it through one all-gather of the group (any
-  backend; EngramGroup uses a private gloo group, so ranks may share one GPU). Why not torch's
-  symmetric memory, which the engine used first: its rendezvous keeps one process-wide exchange counter
-  that every rendezvous in the process advances, so a second group's fresh workers start at 0 while the
-  host is ahead and the rendezvous hangs (pytorch issue 196082). An exchange of our own has no state
-  outside the group, so groups of any size and rank count may come and go in one process, several at
-  once, and ranks sharing a GPU need no environment variable. The one-pass gather (gather_triton.py)
-  needs only each shard's address in the fetching process, which IPC gives as well.
+* CUDA (default, `cuda_ipc_allocator`): each rank allocates its shard from the CUDA driver and hands
+  every peer a CUDA IPC handle of it through one all-gather of the group (any backend; EngramGroup uses
+  a private gloo group, so ranks may share one GPU). Why not torch's symmetric memory, which the engine
+  used first: its rendezvous keeps one process-wide exchange counter that every rendezvous in the
+  process advances, so a second group's fresh workers start at 0 while the host is ahead and the
+  rendezvous hangs (pytorch issue 196082). Why not torch.multiprocessing's CUDA sharing: ComfyUI runs
+  torch's cudaMallocAsync allocator backend, which cannot export memory. An exchange of our own
+  (cuda_ipc.py) has no state outside the group, so groups of any size and rank count may come and go
+  in one process, several at once, and ranks sharing a GPU need no environment variable. The one-pass
+  gather (gather_triton.py) needs only each shard's address in the fetching process, which IPC gives.
   `symmetric_memory_allocator` stays available for callers that pass it explicitly.
 
 An allocator is `(group, num_bytes, device) -> ShardMemory`. Collectives are issued on the process
@@ -49,7 +50,10 @@ class ShardMemory:
 
     `peers[r]` is rank r's flat uint8 buffer (`peers[rank] is local` memory); when all shards sit in one
     virtual range, `unified` is a uint8 tensor of `num_ranks * stride` bytes with `peers[r]` at
-    `r * stride`. `keepalive` holds whatever must live as long as the views.
+    `r * stride`. `keepalive` holds whatever must live as long as the views. `release()` gives the
+    memory back (peers' mappings first, then this rank's own shard); `release(between=fn)` runs `fn`
+    after the peers' mappings are gone and before this rank's shard is freed (a host shutting its
+    workers down, so that no peer still maps the shard it frees).
     """
 
     local: torch.Tensor
@@ -58,14 +62,22 @@ class ShardMemory:
     stride: int = 0
     keepalive: object = None
     _release: Callable[[], None] | None = field(default=None, repr=False)
+    _release_peers: Callable[[], None] | None = field(default=None, repr=False)
 
-    def release(self) -> None:
+    def release(self, between: Callable[[], None] | None = None) -> None:
         release, self._release = self._release, None
+        release_peers, self._release_peers = self._release_peers, None
         self.local = self.unified = None  # type: ignore[assignment]
         self.peers = []
         self.keepalive = None
-        if release is not None:
-            release()
+        try:
+            if release_peers is not None:
+                release_peers()
+            if between is not None:
+                between()
+        finally:
+            if release is not None:
+                release()
 
 
 ShardAllocator = Callable[[dist.ProcessGroup, int, torch.device], ShardMemory]
@@ -286,24 +298,19 @@ def symmetric_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device:
     return ShardMemory(local=local, peers=peers, unified=None, stride=0, keepalive=(handle, local))
 
 
-# ----- CUDA: plain device memory shared through CUDA IPC (the default) -----
+# ----- CUDA: driver-allocated memory shared through CUDA IPC (the default) -----
 
 
 def cuda_ipc_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.device) -> ShardMemory:
-    """CUDA shard buffers from torch's allocator, every peer's buffer opened through CUDA IPC.
+    """CUDA shard buffers from the driver (cuda_ipc.py), every peer's buffer opened through CUDA IPC.
 
-    Each rank allocates its shard on its own GPU, exports one IPC handle per peer (torch's
-    `reduce_tensor`, so torch's producer/consumer reference counts stay balanced: one export per
-    opener), and the handles travel through one all-gather of the group; each rank opens every peer's
-    handle (`rebuild_cuda_tensor`; peer access is enabled for shards on other GPUs). Nothing here is
-    process-wide state that a later group could find out of step: a fresh group starts from scratch,
-    whoever else lives in the process. Ranks may share a GPU without any setting.
-
-    Release order matters for the memory to come back: every opener drops its views (closing the
-    mapping and decrementing the owner's count) before the owner drops its shard; an owner's shard
-    still counted as open stays in torch's IPC limbo until `torch.cuda.ipc_collect()`.
+    Each rank allocates its shard on its own GPU and exports an IPC handle; the handles travel through
+    one all-gather of the group (any backend), and each rank opens every peer's handle onto its own
+    device. No state outside the group, and no dependence on torch's allocator backend (ComfyUI's
+    cudaMallocAsync cannot share memory between processes). Views are non-owning: `release` synchronizes
+    the device, then closes the opened peers and frees the rank's own shard.
     """
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+    from . import cuda_ipc
 
     device = torch.device(device)
     if device.type != "cuda":
@@ -311,35 +318,54 @@ def cuda_ipc_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.d
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     rank, num_ranks = group.rank(), group.size()
-    local = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
-    if num_ranks == 1:
-        return ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes)
-    torch.cuda.synchronize(device)  # the zeros are in place before any peer reads them
-    exports = [None if peer == rank else reduce_tensor(local)[1] for peer in range(num_ranks)]
-    coll = collective_device(group, device)
-    gathered = all_gather_object(group, exports, coll)
-    peers: list[torch.Tensor] = []
+    address, local = cuda_ipc.allocate(num_bytes, device)
+    opened: list[int] = []
+
+    def synchronize() -> None:
+        try:
+            torch.cuda.synchronize(device)  # nothing queued still reads or writes the shards
+        except Exception as e:  # noqa: BLE001 - a broken device must not stop the rest of the release
+            logger.warning("engram: synchronizing %s before releasing shards failed: %s", device, e)
+
+    def release_peers() -> None:
+        synchronize()
+        for peer_address in opened:
+            try:
+                cuda_ipc.close_handle(peer_address, device)
+            except Exception as e:  # noqa: BLE001 - e.g. the owner already died; the mapping goes with the process
+                logger.warning("engram: closing a peer's CUDA shard failed: %s", e)
+        opened.clear()
+
+    def release() -> None:
+        release_peers()
+        try:
+            cuda_ipc.free(address, device)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("engram: freeing this rank's CUDA shard failed: %s", e)
+
     try:
-        for peer in range(num_ranks):
+        if num_ranks == 1:
+            return ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes, _release=release)
+        handle = cuda_ipc.export_handle(address, device)
+        coll = collective_device(group, device)
+        gathered = all_gather_object(group, handle, coll)
+        peers: list[torch.Tensor] = []
+        for peer, peer_handle in enumerate(gathered):
             if peer == rank:
                 peers.append(local)
                 continue
             try:
-                view = rebuild_cuda_tensor(*gathered[peer][rank])
+                peer_address, view = cuda_ipc.open_handle(peer_handle, num_bytes, device)
             except Exception as e:
-                raise RuntimeError(f"rank {rank} could not open the CUDA shard of rank {peer} through CUDA IPC: {type(e).__name__}: {e}") from e
-            if view.dtype != torch.uint8 or view.numel() != num_bytes:
-                raise RuntimeError(f"rank {peer}'s CUDA shard arrived as {view.dtype} x {view.numel()}, expected {num_bytes} bytes")
+                raise RuntimeError(f"rank {rank} could not open the CUDA shard of rank {peer} through CUDA IPC: {e}") from e
+            opened.append(peer_address)
             peers.append(view)
     except BaseException:
-        peers.clear()
+        del local
+        peers = []
+        release()
         raise
-
-    def release() -> None:
-        # Opened peers first (closing the mappings), then this rank's own shard.
-        peers.clear()
-
-    return ShardMemory(local=local, peers=list(peers), unified=None, stride=0, keepalive=peers, _release=release)
+    return ShardMemory(local=local, peers=peers, unified=None, stride=0, _release=release, _release_peers=release_peers)
 
 
 def default_allocator(device: torch.device) -> ShardAllocator:

@@ -310,15 +310,21 @@ class LocalEngramBuffer:
 
     # ----- DeepEP EngramBuffer API -----
 
-    def destroy(self) -> None:
-        """Drop every view and release the shard memory (idempotent)."""
+    def destroy(self, between: Callable[[], None] | None = None) -> None:
+        """Drop every view and release the shard memory (idempotent).
+
+        `between` runs once the peers' shards are unmapped and before this rank's own shard is freed
+        (EngramGroup shuts its workers down there); it runs even when there was nothing to release.
+        """
         memory, self._memory = getattr(self, "_memory", None), None
         self._tables = self._sfs = []
         self._peer_rows = self._peer_sf_rows = []
         self._all_rows = self._all_sfs = None
         self._bases = self._meta = None
         if memory is not None:
-            memory.release()
+            memory.release(between)
+        elif between is not None:
+            between()
 
     def write(self, storages: Sequence[torch.Tensor], sfs: Sequence[torch.Tensor] | None = None) -> None:
         """Collective: copy this rank's shards `[n_l, hidden]` (and scale factors) into the buffer."""

@@ -107,19 +107,13 @@ class _Worker:
         self.conn = conn
 
 
-def _release_group(workers: list[_Worker], holder: list, cuda: bool) -> None:
-    """Release in the order CUDA IPC needs: the host's views of peers, then the workers, then the host's shard."""
+def _release_group(workers: list[_Worker], holder: list) -> None:
+    """Release in the order CUDA IPC wants: the host's mappings of peers, then the workers, then the host's shard."""
     buffer = holder.pop() if holder else None
     if buffer is not None:
-        if cuda:
-            torch.cuda.synchronize(buffer.device)  # no kernel still reads a peer's shard
-        buffer.destroy()
-    _shutdown_workers(workers)
-    if cuda:
-        # The host's shard waits in torch's IPC limbo until every worker has dropped its view of it
-        # (they have: they exited); hand it back to the allocator, and the allocator's cache to CUDA.
-        torch.cuda.ipc_collect()
-        torch.cuda.empty_cache()
+        buffer.destroy(between=lambda: _shutdown_workers(workers))
+    else:
+        _shutdown_workers(workers)
 
 
 def _shutdown_workers(workers: list[_Worker]) -> None:
@@ -194,7 +188,7 @@ class EngramGroup:
         self._group = None
         self._store = None
         # Releases everything when the group is closed, collected, or at interpreter exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, _release_group, self._workers, self._holder, device == "cuda")
+        self._finalizer = weakref.finalize(self, _release_group, self._workers, self._holder)
         try:
             self._start(device, num_entries_per_token, num_max_tokens, worker_threads)
         except BaseException:

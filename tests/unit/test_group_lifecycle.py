@@ -3,8 +3,8 @@
 Every fetch is checked against an independent implementation: LocalRowStore (plain tensors, one select)
 filled with the same writes, compared bit for bit, and the DeepEP-style `buffer.fetch` against row-by-row
 lookups in those tables (rows and scale factors, both layouts, invalid ids). On CUDA the groups also
-fetch without synchronizing the host, replay a captured CUDA graph with new indices, and hand their GPU
-memory back on close.
+fetch without synchronizing the host, replay a captured CUDA graph with new indices, leave no torch
+allocation behind, and hand their shards' GPU memory back to the driver on close.
 """
 
 import gc
@@ -204,6 +204,13 @@ def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
+def _free_on_device(device: torch.device) -> int:
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_cuda_groups_of_1_2_4_ranks_one_after_another(dtype):
@@ -212,14 +219,37 @@ def test_cuda_groups_of_1_2_4_ranks_one_after_another(dtype):
         before = _allocated(device)
         group = EngramGroup([1000, 257], 256, dtype, num_ranks=ranks, device="cuda", num_entries_per_token=ENTRIES, num_max_tokens=MAX_TOKENS)
         try:
-            assert _allocated(device) > before, "the host's shard is not on the GPU"
             _exercise_cuda_group(group, seed=ranks)
         finally:
             pids = group.worker_pids
             group.close()
         assert all(_gone(p) for p in pids), f"a worker of the {ranks}-rank group outlived close()"
         after = _allocated(device)
-        assert after == before, f"{ranks}-rank group: {after - before} bytes of GPU memory still allocated after close()"
+        assert after == before, f"{ranks}-rank group: {after - before} bytes of torch-allocated GPU memory left after close()"
+
+
+@needs_cuda
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_cuda_group_gives_its_gpu_memory_back_on_close(ranks):
+    """Shards come from the driver: the device's free memory drops by every shard and comes back on close."""
+    import time
+
+    device = torch.device("cuda", 0)
+    rows_per_rank = 1 << 19  # 256 MiB of BF16 rows (hidden 256) per rank, all on this GPU
+    shard_bytes = rows_per_rank * 256 * 2
+    slack = 128 << 20  # kernel modules, worker contexts still being torn down
+    free_before = _free_on_device(device)
+    group = EngramGroup([ranks * rows_per_rank], 256, torch.bfloat16, num_ranks=ranks, device="cuda")
+    try:
+        used = free_before - _free_on_device(device)
+        assert used >= ranks * shard_bytes, f"{ranks} rank(s) took {used} bytes, less than their shards ({ranks * shard_bytes})"
+    finally:
+        group.close()
+    deadline = time.monotonic() + 5.0
+    while _free_on_device(device) < free_before - slack and time.monotonic() < deadline:
+        time.sleep(0.1)
+    missing = free_before - _free_on_device(device)
+    assert missing <= slack, f"{missing} bytes of GPU memory still missing after close() of a {ranks}-rank group"
 
 
 @needs_cuda
