@@ -82,8 +82,10 @@ def _call_public(a, b, sa, sb, bias, out_dtype):
 
 SCALED_MM_APIS = {"torch._scaled_mm": _call_private, "F.scaled_mm": _call_public}
 _api_for: dict = {}
+_MISSING = object()
 _blockwise_for: dict = {}
 _rowwise_bf16_only: set = set()
+_bias_apart: set = set()
 
 
 def _present_apis() -> list:
@@ -112,6 +114,9 @@ def scaled_mm_api(device) -> str | None:
     """Name of the first scaled-matmul API with a kernel for ``device`` in this torch
     (``torch._scaled_mm`` first: it takes every scaling the pack uses on torch 2.5 to 2.14;
     ``F.scaled_mm`` exists from 2.10 but e.g. 2.11 has no CPU kernel for it), or None."""
+    hit = _api_for.get(device, _MISSING)  # fast path: a tensor's own device object
+    if hit is not _MISSING:
+        return hit
     key = _device_key(device)
     if key not in _api_for:
         found, errors = None, []
@@ -127,6 +132,8 @@ def scaled_mm_api(device) -> str | None:
                 except Exception as exc:  # noqa: BLE001 - a missing kernel is an answer, not an error
                     errors.append(f"{name}: {type(exc).__name__}: {_first_line(exc)}")
         _api_for[key] = found
+        if isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None):
+            _api_for[device] = found  # names one device exactly: usable as the fast-path key
         if found is None:
             log_once(("no_scaled_mm", key), logging.INFO,
                      "no scaled matmul has a kernel for %s in torch %s (%s)", torch.device(device),
@@ -172,14 +179,21 @@ def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
     rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
     if rowwise and out_dtype != torch.bfloat16 and key in _rowwise_bf16_only:
         return _bf16_then_cast(fn, a, b, scale_a, scale_b, bias, out_dtype)
+    if fused_bias and (key, rowwise) in _bias_apart:
+        fused_bias = False
     try:
         out = fn(a, b, scale_a, scale_b, bias if fused_bias else None, out_dtype)
     except RuntimeError:
-        if not rowwise or out_dtype == torch.bfloat16:
+        if rowwise and out_dtype != torch.bfloat16:
+            # older row-wise kernels (CUTLASS, before cuBLAS 12.9) write bfloat16 only
+            _rowwise_bf16_only.add(key)
+            return _bf16_then_cast(fn, a, b, scale_a, scale_b, bias, out_dtype)
+        if not fused_bias:
             raise
-        # older row-wise kernels (CUTLASS, before cuBLAS 12.9) write bfloat16 only
-        _rowwise_bf16_only.add(key)
-        return _bf16_then_cast(fn, a, b, scale_a, scale_b, bias, out_dtype)
+        # a kernel without a bias epilogue for this scaling: add the bias after the product
+        _bias_apart.add((key, rowwise))
+        out = fn(a, b, scale_a, scale_b, None, out_dtype)
+        fused_bias = False
     if bias is not None and not fused_bias:
         out = out + bias.to(out.dtype)
     return out
@@ -378,16 +392,19 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     if not _wants_fp8(x, weight, cfg):
         return _weight_only(x, weight, bias, cdt)
 
-    x2d = x.reshape(-1, in_f)
+    x2d = x if x.dim() == 2 else x.reshape(-1, in_f)
+    if bias is not None and bias.dtype != cdt:
+        bias = bias.to(cdt)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
         out = _Fp8LinearWithGrad.apply(x2d, weight, cfg, cdt)
         if bias is not None:
-            out = out + bias.to(cdt)
+            out = out + bias
     else:
-        with torch.no_grad():
-            out = _fp8_mm(x2d, weight, cfg, cdt, None if bias is None else bias.to(cdt))
+        # nothing here requires grad, so no graph is recorded (no no_grad() needed: it costs
+        # microseconds per call, which small-token calls feel)
+        out = _fp8_mm(x2d, weight, cfg, cdt, bias)
         if out is None:
             return _weight_only(x, weight, bias, cdt)
-    return out.reshape(*x.shape[:-1], out_f)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_f)

@@ -39,7 +39,7 @@ def _wo_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
                     sxm, sxk, swn, swk, sym, ssn,
                     HAS_BIAS: tl.constexpr, PER_ROW: tl.constexpr, EVEN_K: tl.constexpr,
                     NATIVE: tl.constexpr, E5M2: tl.constexpr, UPCAST: tl.constexpr,
-                    EXACT: tl.constexpr, M_BUCKET: tl.constexpr,
+                    EXACT: tl.constexpr, M_BUCKET,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BM)
@@ -72,8 +72,8 @@ def _wo_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
             bf = b.to(a.dtype)
         else:
             bf = fp8_bits_to_f32(b, E5M2).to(a.dtype)
-        if not EVEN_K:
-            bf = tl.where(kmask[:, None], bf, 0.0)
+        if not EVEN_K:  # masked bytes are undefined (maybe NaN codes): zero them
+            bf = tl.where(kmask[:, None], bf, tl.zeros_like(bf))
         if UPCAST:  # the interpreter's dot is only right in float32
             acc += tl.dot(a.to(tl.float32), bf.to(tl.float32))
         else:
