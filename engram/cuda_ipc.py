@@ -31,6 +31,7 @@ import threading
 import torch
 
 IPC_HANDLE_SIZE = 64
+_LIBRARY = "libcuda.so.1"  # tests point this at a stand-in driver
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 _lock = threading.Lock()
 _driver: ctypes.CDLL | None = None
@@ -52,9 +53,9 @@ def _load() -> ctypes.CDLL:
         if _driver is not None:
             return _driver
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
+            lib = ctypes.CDLL(_LIBRARY)
         except OSError as e:
-            raise CudaIpcError(f"the CUDA driver library libcuda.so.1 could not be loaded ({e}); CUDA engram shards need it") from e
+            raise CudaIpcError(f"the CUDA driver library {_LIBRARY} could not be loaded ({e}); CUDA engram shards need it") from e
         u64p = ctypes.POINTER(ctypes.c_uint64)
         signatures = {
             "cuInit": [ctypes.c_uint],
@@ -119,16 +120,26 @@ def _view(address: int, num_bytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (num_bytes,), (1,))
 
 
-def allocate(num_bytes: int, device: torch.device) -> tuple[int, torch.Tensor]:
-    """Device memory of `num_bytes` (zeroed) on `device`: (address, uint8 view)."""
+def allocate_raw(num_bytes: int, device: torch.device) -> int:
+    """`num_bytes` of device memory on `device` (not initialized); its address."""
     with _primary_context(device.index) as lib:
         address = ctypes.c_uint64()
         _check(lib, lib.cuMemAlloc_v2(ctypes.byref(address), num_bytes), f"cuMemAlloc of {num_bytes} bytes on {device}")
-    view = _view(address.value, num_bytes, device)
+    return address.value
+
+
+def allocate(num_bytes: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """Device memory of `num_bytes` (zeroed) on `device`: (address, uint8 view)."""
+    address = allocate_raw(num_bytes, device)
+    try:
+        view = _view(address, num_bytes, device)
+    except BaseException:
+        free(address, device)
+        raise
     with torch.cuda.device(device):
         view.zero_()
     torch.cuda.synchronize(device)
-    return address.value, view
+    return address, view
 
 
 def free(address: int, device: torch.device) -> None:
@@ -144,16 +155,26 @@ def export_handle(address: int, device: torch.device) -> bytes:
     return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_SIZE)
 
 
-def open_handle(handle: bytes, num_bytes: int, device: torch.device) -> tuple[int, torch.Tensor]:
-    """Map another process's exported memory into this one, for use from `device`: (address, uint8 view)."""
-    if len(handle) != IPC_HANDLE_SIZE:
-        raise CudaIpcError(f"a CUDA IPC handle has {IPC_HANDLE_SIZE} bytes, got {len(handle)}")
+def open_raw(handle: bytes, device: torch.device) -> int:
+    """Map another process's exported memory into this one, for use from `device`; its address here."""
+    if not isinstance(handle, bytes) or len(handle) != IPC_HANDLE_SIZE:
+        raise CudaIpcError(f"a CUDA IPC handle is {IPC_HANDLE_SIZE} bytes, got {type(handle).__name__} of length {len(handle)}")
     raw = _IpcHandle()
     ctypes.memmove(ctypes.byref(raw), handle, IPC_HANDLE_SIZE)
     address = ctypes.c_uint64()
     with _primary_context(device.index) as lib:
         _check(lib, lib.engram_ipc_open(ctypes.byref(address), raw, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), f"cuIpcOpenMemHandle on {device}")
-    return address.value, _view(address.value, num_bytes, device)
+    return address.value
+
+
+def open_handle(handle: bytes, num_bytes: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """`open_raw` plus a uint8 view of `num_bytes` on `device`: (address, view)."""
+    address = open_raw(handle, device)
+    try:
+        return address, _view(address, num_bytes, device)
+    except BaseException:
+        close_handle(address, device)
+        raise
 
 
 def close_handle(address: int, device: torch.device) -> None:

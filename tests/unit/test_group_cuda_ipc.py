@@ -1,0 +1,196 @@
+"""The CUDA IPC exchange of engram shards (engram/cuda_ipc.py), down to the ctypes calls.
+
+Without a GPU, a stand-in driver library compiled here (same entry points and signatures as libcuda,
+memory in POSIX shared memory, the "IPC handle" names the file) checks what no GPU-less run could
+otherwise see: out-parameters come back, the 64-byte handle survives every byte (it starts with a zero
+byte on purpose) across processes, the handle struct is passed by value, every driver call runs with a
+context pushed and popped again, and driver errors become CudaIpcError naming the call. On a GPU the
+real driver is used: allocate, export, open in another process, read back what was written.
+"""
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fp8_engram.engram import cuda_ipc
+
+pytestmark = pytest.mark.unit
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".host", "pkg")
+
+FAKE_DRIVER = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef unsigned long long CUdeviceptr;
+typedef struct { unsigned char reserved[64]; } CUipcMemHandle;
+struct rec { CUdeviceptr p; size_t n; char name[40]; int own; };
+static struct rec recs[64];
+static int depth = 0, counter = 0, calls_without_context = 0;
+
+int fake_depth(void) { return depth; }
+int fake_calls_without_context(void) { return calls_without_context; }
+static void need_context(void) { if (depth <= 0) calls_without_context++; }
+static struct rec *find(CUdeviceptr p) { for (int i = 0; i < 64; i++) if (recs[i].p == p) return &recs[i]; return 0; }
+static struct rec *slot(void) { return find(0); }
+static void *map(const char *name, size_t n, int create) {
+    int fd = shm_open(name, create ? O_CREAT | O_RDWR : O_RDWR, 0600);
+    if (fd < 0) return 0;
+    if (create && ftruncate(fd, n) != 0) { close(fd); return 0; }
+    void *m = mmap(0, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    return m == MAP_FAILED ? 0 : m;
+}
+
+int cuInit(unsigned flags) { return flags == 0 ? 0 : 1; }
+int cuGetErrorString(int error, const char **text) { *text = error == 1 ? "CUDA_ERROR_INVALID_VALUE (fake)" : "other (fake)"; return 0; }
+int cuDeviceGet(int *device, int ordinal) { *device = 100 + ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void **ctx, int device) { if (device < 100) return 1; *ctx = (void *)(long)(0x1000 + device); return 0; }
+int cuCtxPushCurrent_v2(void *ctx) { if (!ctx) return 1; depth++; return 0; }
+int cuCtxPopCurrent_v2(void **ctx) { depth--; if (ctx) *ctx = 0; return 0; }
+
+int cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+    need_context();
+    struct rec *r = slot();
+    if (!r) return 2;
+    snprintf(r->name, sizeof r->name, "/fakecuda-%d-%d", (int)getpid(), counter++);
+    void *m = map(r->name, n, 1);
+    if (!m) return 2;
+    r->p = (CUdeviceptr)m; r->n = n; r->own = 1;
+    *p = r->p;
+    return 0;
+}
+int cuMemFree_v2(CUdeviceptr p) {
+    need_context();
+    struct rec *r = find(p);
+    if (!r || !r->own) return 1;
+    munmap((void *)p, r->n); shm_unlink(r->name); memset(r, 0, sizeof *r);
+    return 0;
+}
+int cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
+    need_context();
+    struct rec *r = find(p);
+    if (!r || !r->own) return 1;
+    memset(h, 0, sizeof *h);          /* byte 0 stays zero: a reader that stops at NUL loses the rest */
+    memcpy(h->reserved + 1, &r->n, sizeof r->n);
+    memcpy(h->reserved + 16, r->name, strlen(r->name) + 1);
+    h->reserved[63] = 0xA5;
+    return 0;
+}
+int cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) {
+    need_context();
+    if (flags != 1 || h.reserved[0] != 0 || h.reserved[63] != 0xA5) return 1;
+    struct rec *r = slot();
+    if (!r) return 2;
+    memcpy(&r->n, h.reserved + 1, sizeof r->n);
+    memcpy(r->name, h.reserved + 16, sizeof r->name);
+    void *m = map(r->name, r->n, 0);
+    if (!m) { memset(r, 0, sizeof *r); return 1; }
+    r->p = (CUdeviceptr)m; r->own = 0;
+    *p = r->p;
+    return 0;
+}
+int cuIpcCloseMemHandle(CUdeviceptr p) {
+    need_context();
+    struct rec *r = find(p);
+    if (!r || r->own) return 1;
+    munmap((void *)p, r->n); memset(r, 0, sizeof *r);
+    return 0;
+}
+"""
+
+
+@pytest.fixture
+def fake_driver(tmp_path, monkeypatch):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler (cc) to build the stand-in CUDA driver")
+    source = tmp_path / "fakecuda.c"
+    source.write_text(FAKE_DRIVER)
+    library = tmp_path / "libfakecuda.so"
+    build = subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library), str(source), "-lrt"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    monkeypatch.setattr(cuda_ipc, "_LIBRARY", str(library))
+    monkeypatch.setattr(cuda_ipc, "_driver", None)
+    monkeypatch.setattr(cuda_ipc, "_contexts", {})
+    yield ctypes.CDLL(str(library))
+
+
+def test_shard_exchange_through_the_driver_calls(fake_driver):
+    device = torch.device("cuda", 1)
+    pattern = bytes(range(256)) * 16
+    address = cuda_ipc.allocate_raw(len(pattern), device)
+    ctypes.memmove(address, pattern, len(pattern))  # the stand-in's "device memory" is host memory
+    handle = cuda_ipc.export_handle(address, device)
+    assert len(handle) == cuda_ipc.IPC_HANDLE_SIZE and handle[0] == 0 and handle[63] == 0xA5, handle
+    # Another process opens the handle (as a worker or the host does) and reads the rows written here.
+    script = textwrap.dedent(
+        f"""
+        import ctypes, sys
+        sys.path.insert(0, {PKG!r})
+        import torch
+        from fp8_engram.engram import cuda_ipc
+        cuda_ipc._LIBRARY = {cuda_ipc._LIBRARY!r}
+        address = cuda_ipc.open_raw(bytes.fromhex({handle.hex()!r}), torch.device("cuda", 0))
+        data = ctypes.string_at(address, {len(pattern)})
+        ctypes.memmove(address, b"written by the peer", 19)
+        cuda_ipc.close_handle(address, torch.device("cuda", 0))
+        lib = cuda_ipc._load()
+        print(data.hex(), lib.fake_depth(), lib.fake_calls_without_context())
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen, depth, bare = proc.stdout.split()
+    assert bytes.fromhex(seen) == pattern, "the peer read other bytes than were written"
+    assert (depth, bare) == ("0", "0"), "driver calls in the peer ran without a pushed context, or contexts leaked"
+    assert ctypes.string_at(address, 19) == b"written by the peer", "the peer's write did not reach the owner's memory"
+    cuda_ipc.free(address, device)
+    lib = fake_driver  # the same loaded library as the module's (dlopen hands back one instance)
+    assert lib.fake_depth() == 0 and lib.fake_calls_without_context() == 0
+    with pytest.raises(cuda_ipc.CudaIpcError, match=r"cuMemFree on cuda:1 failed: CUDA driver error 1 \(CUDA_ERROR_INVALID_VALUE"):
+        cuda_ipc.free(address, device)  # already freed
+    with pytest.raises(cuda_ipc.CudaIpcError, match="64 bytes"):
+        cuda_ipc.open_raw(handle[:10], device)
+    assert lib.fake_depth() == 0, "a failed call left a context pushed"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_driver_exchange_between_processes():
+    device = torch.device("cuda", 0)
+    address, view = cuda_ipc.allocate(1 << 20, device)
+    try:
+        assert view.device == device and view.numel() == 1 << 20 and int(view.sum()) == 0, "not zeroed"
+        view[:256] = torch.arange(256, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        handle = cuda_ipc.export_handle(address, device)
+        script = textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {PKG!r})
+            import torch
+            from fp8_engram.engram import cuda_ipc
+            device = torch.device("cuda", 0)
+            address, view = cuda_ipc.open_handle(bytes.fromhex({handle.hex()!r}), 1 << 20, device)
+            print(view[:256].tolist() == list(range(256)))
+            view[256:260] = 7
+            torch.cuda.synchronize(device)
+            del view
+            cuda_ipc.close_handle(address, device)
+            """
+        )
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stdout + proc.stderr[-3000:]
+        assert view[256:260].tolist() == [7] * 4, "the peer's write did not arrive"
+    finally:
+        del view
+        cuda_ipc.free(address, device)
