@@ -185,7 +185,7 @@ def gather_rows(
     else:
         kernel = _compiled()
     grid = ((rows + block_r - 1) // block_r, layers)
-    launch_kwargs = {} if interpret else {"num_warps": 4}
+    launch_kwargs = {} if interpret else {"num_warps": 8}
     kernel[grid](
         ids,
         ids.stride(0),
