@@ -315,6 +315,8 @@ class LocalEngramBuffer:
 
         `between` runs once the peers' shards are unmapped and before this rank's own shard is freed
         (EngramGroup shuts its workers down there); it runs even when there was nothing to release.
+        Not collective: with several ranks, the caller makes sure no peer still reads this rank's shard
+        (a barrier, or EngramGroup's order) before the shard is freed.
         """
         memory, self._memory = getattr(self, "_memory", None), None
         self._tables = self._sfs = []

@@ -137,6 +137,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device_kind: str,
     sys.path.insert(0, os.environ["ENGRAM_TEST_PKG"])
     from fp8_engram.engram import ue8m0
     from fp8_engram.engram.buffer import LocalEngramBuffer
+    from fp8_engram.engram.allocators import barrier
     from fp8_engram.engram.worker import gloo_group
 
     if device_kind == "cuda":
@@ -170,6 +171,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device_kind: str,
                     second = _indices(world, tokens, seed=tokens * 10 + int(tma) + 100 * int(fp8) + 5000)
                     checks += check_results(_fetch_in_graph(buffer, indices.to(device), second.to(device), tma), second, full, sfs, tma)
         graph_keepalive.clear()
+        barrier(group, torch.device("cpu"), device)  # no rank still reads a shard that its owner frees
         buffer.destroy()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"checks": checks, "device": str(device)}, f)
