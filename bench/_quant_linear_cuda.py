@@ -237,6 +237,8 @@ def main_cuda(args) -> None:
     notes: dict = {}
     cases = []
     for shape in (QUICK_SHAPES if args.quick else SHAPES):
+        if args.only and args.only not in shape[0]:
+            continue
         cases.append(bench_shape(*shape, rounds, inner, notes))
         torch.cuda.empty_cache()
     block = bench_block(rounds, 3, args.quick)

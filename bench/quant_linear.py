@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
+    ap.add_argument("--only", default=None, help="run only the shapes whose name contains this")
     args = ap.parse_args()
     device = args.device
     if device == "cuda":
@@ -103,6 +104,8 @@ def main() -> None:
             ("flux-mlp-up", 4096, 3072, 12288),
             ("flux-mlp-down", 4096, 12288, 3072),
         ]
+    if args.only:
+        shapes = [sh for sh in shapes if args.only in sh[0]]
     quant_ops = load_comfy_quant_ops(device)
     fp8_units = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "

@@ -16,6 +16,8 @@ element is what the GPU does fast; the twin does exactly the same.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._triton import HAS_TRITON, INTERPRET, jit, round_fp8_grid, tl, triton
@@ -180,10 +182,15 @@ def _triton_ok(x: torch.Tensor) -> bool:
 
 
 def _launch_shape(k: int):
+    return _launch_shape_for(k, _ONE_PASS_MAX_K)
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_shape_for(k: int, one_pass_max: int):
     """(rows per program, block width, one pass?, warps): about 4-16K elements per program, so
     that small-M calls still fill the GPU (one program per row once rows are long)."""
     block_k = max(16, triton.next_power_of_2(max(k, 1)))
-    one_pass = block_k <= _ONE_PASS_MAX_K
+    one_pass = block_k <= one_pass_max
     if not one_pass:
         block_k = 4096
     rows = max(1, min(16, 4096 // block_k))
@@ -192,9 +199,14 @@ def _launch_shape(k: int):
     return rows, block_k, one_pass, warps
 
 
-def _kernel_args(fp8_dtype):
+@functools.lru_cache(maxsize=None)
+def _kernel_args_cached(fp8_dtype):
     mbits, emin = _GRID[fp8_dtype]
     return dict(FMAX=_fmax(fp8_dtype), TINY_=TINY, MBITS=mbits, EMIN=emin, EXACT=INTERPRET)
+
+
+def _kernel_args(fp8_dtype):
+    return _kernel_args_cached(fp8_dtype)
 
 
 def quantize_rows(x2d: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, absmax_only: bool = False):

@@ -80,12 +80,18 @@ def _dequant_kernel(q_ptr, s_ptr, o_ptr, N, K, sqn, sqk, son, ssr, ssc, R, C,
     tl.store(o_ptr + n64 * son + k[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
+_native: dict = {}
+
+
 def native_fp8(device: torch.device) -> bool:
     """Can Triton use FP8 types directly on this device (CUDA capability 8.9+, or the
     interpreter)? Elsewhere the kernels decode the raw bytes themselves."""
     if device.type != "cuda":
         return True
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    hit = _native.get(device.index)
+    if hit is None:
+        hit = _native[device.index] = torch.cuda.get_device_capability(device) >= (8, 9)
+    return hit
 
 
 def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype,
