@@ -65,19 +65,29 @@ def _call_private(a, b, sa, sb, bias, out_dtype):
     return out[0] if isinstance(out, tuple) else out  # torch < 2.5 returned (out, amax)
 
 
-def _recipe(scale: torch.Tensor, rows: int, block_rows: bool):
+def _recipe_a(scale: torch.Tensor):
     st = F.ScalingType
     if scale.numel() == 1:
         return st.TensorWise
-    if scale.shape[-1] == 1 or scale.shape[0] == 1 and scale.shape[-1] == rows:
+    # [M, 1] row scales are contiguous; 1x128 group scales are M-major (stride (1, M)), which
+    # tells them apart even when K is one group wide
+    if scale.shape[-1] == 1 and (scale.stride(-1) == 1 or scale.shape[0] == 1):
         return st.RowWise
-    return st.BlockWise128x128 if block_rows else st.BlockWise1x128
+    return st.BlockWise1x128
+
+
+def _recipe_b(scale: torch.Tensor, n: int):
+    st = F.ScalingType
+    if scale.numel() == 1:
+        return st.TensorWise
+    if scale.shape[0] == 1 and scale.shape[-1] == n:
+        return st.RowWise
+    return st.BlockWise128x128
 
 
 def _call_public(a, b, sa, sb, bias, out_dtype):
-    ra = _recipe(sa, a.shape[0], block_rows=False)
-    rb = _recipe(sb, b.shape[1], block_rows=True)
-    return F.scaled_mm(a, b, sa, ra, sb, rb, bias=bias, output_dtype=out_dtype)
+    return F.scaled_mm(a, b, sa, _recipe_a(sa), sb, _recipe_b(sb, b.shape[1]), bias=bias,
+                       output_dtype=out_dtype)
 
 
 SCALED_MM_APIS = {"torch._scaled_mm": _call_private, "F.scaled_mm": _call_public}
@@ -132,12 +142,12 @@ def scaled_mm_api(device) -> str | None:
                 except Exception as exc:  # noqa: BLE001 - a missing kernel is an answer, not an error
                     errors.append(f"{name}: {type(exc).__name__}: {_first_line(exc)}")
         _api_for[key] = found
-        if isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None):
-            _api_for[device] = found  # names one device exactly: usable as the fast-path key
         if found is None:
             log_once(("no_scaled_mm", key), logging.INFO,
                      "no scaled matmul has a kernel for %s in torch %s (%s)", torch.device(device),
                      torch.__version__, "; ".join(errors) or "none present")
+    if isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None):
+        _api_for[device] = _api_for[key]  # names one device exactly: the fast-path key
     return _api_for[key]
 
 
