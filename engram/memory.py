@@ -6,7 +6,13 @@ This is what ComfyUI's ENGRAM_MEMORY socket carries. It holds
   decoded vocabulary (a memory refuses a tokenizer it was not built for);
 - `store`: the tables (LocalRowStore, or an EngramGroup of worker processes); the memory owns it and
   `close()` releases it;
-- `version`: bumped by every write, so callers can tell a changed memory from an unchanged one.
+- `version`: bumped by every write, so callers can tell a changed memory from an unchanged one;
+- `name` and `source`: what to call the memory in messages, and the table file it was loaded from
+  (None when it exists only in memory), so a memory that lost a worker can say how it is recovered.
+
+`check()` says whether the memory can still serve: it raises when it was closed, or when a worker
+process of its tables is gone (EngramWorkerError naming the rank). A memory that failed stays failed:
+close it and make a new one.
 
 Tokens come in ComfyUI's `tokenize(text, return_word_ids=True)` format (see streams.py).
 """
@@ -14,6 +20,7 @@ Tokens come in ComfyUI's `tokenize(text, return_word_ids=True)` format (see stre
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -153,6 +160,19 @@ class Hit:
     norm: float  # L2 norm of the token's memory value v
 
 
+class TableState:
+    """What a memory knows about its store beyond the store itself, kept in its own object so that a
+    new memory over the same store can take it over: which rows were written since the last clear
+    (`rows`: per layer int64 row ids, or None when unknown, e.g. tables loaded from a file), and why the
+    store was closed (`closed_reason`, None while open)."""
+
+    __slots__ = ("rows", "closed_reason")
+
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] | None = {}
+        self.closed_reason: str | None = None
+
+
 class EngramMemory:
     def __init__(self, config: MemoryConfig, store: RowStore, vocabs: Mapping[str, CompressedVocab] | None = None):
         if store.num_layers != config.hashing.num_layers:
@@ -170,11 +190,21 @@ class EngramMemory:
         self._vocabs: dict[str, CompressedVocab] = {}
         self._lock = threading.RLock()
         # Rows written through this object, per layer (so `clear` zeroes only those); None = unknown
-        # (tables loaded from a file), then `clear` zeroes everything.
-        self._written: dict[int, torch.Tensor] | None = {}
+        # (tables loaded from a file), then `clear` zeroes everything. See TableState.
+        self.state = TableState()
+        self.name = "engram memory"
+        self.source: str | None = None
         if vocabs:
             for key, vocab in vocabs.items():
                 self._accept_vocab(key, vocab)
+
+    @property
+    def _written(self) -> dict[int, torch.Tensor] | None:
+        return self.state.rows
+
+    @_written.setter
+    def _written(self, rows: dict[int, torch.Tensor] | None) -> None:
+        self.state.rows = rows
 
     def __repr__(self) -> str:
         return (f"EngramMemory({self.config.layout.family}: {self.config.layout.names}, rows={self.store.rows_per_layer}, "
@@ -372,5 +402,62 @@ class EngramMemory:
         with self._lock:
             saver(path, hashing=hashing, streams=streams)
 
-    def close(self) -> None:
+    @property
+    def closed_reason(self) -> str | None:
+        return self.state.closed_reason
+
+    @property
+    def closed(self) -> bool:
+        return self.state.closed_reason is not None
+
+    def check(self) -> None:
+        """Raise unless the memory can serve: EngramMemoryError when it is closed, the store's
+        EngramWorkerError (with `.rank`) when a worker process of its tables is gone."""
+        if self.closed_reason is not None:
+            raise EngramMemoryError(f"{self.name} was closed ({self.closed_reason})")
+        store_health(self.store)
+
+    def close(self, reason: str = "closed") -> None:
+        """Release the tables (and the worker processes holding them). Idempotent; `reason` is kept for
+        messages about the closed memory."""
+        if self.state.closed_reason is None:
+            self.state.closed_reason = reason
         self.store.close()
+
+
+def _pid_gone(pid: int) -> bool:
+    """True when process `pid` has ended (a zombie counts as ended; nothing is reaped here)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # state is the field after the parenthesized command name
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def store_health(store: Any) -> None:
+    """Raise when a RowStore cannot serve any more (its health check, or a worker process gone).
+
+    Uses the store's own `check()` when it has one; otherwise looks at its `worker_pids` without
+    touching the processes (a worker that died is reported as EngramWorkerError with its rank)."""
+    check = getattr(store, "check", None)
+    if callable(check):
+        check()
+        return
+    pids = getattr(store, "worker_pids", None)
+    if callable(pids):
+        pids = pids()
+    for rank, pid in enumerate(pids or (), start=1):
+        if _pid_gone(int(pid)):
+            from .group import EngramWorkerError
+
+            raise EngramWorkerError(f"engram worker rank {rank} (pid {pid}) is gone", rank)

@@ -6,11 +6,15 @@ processes). Writes (Memorize, Train) change the memory in place: tables can be t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import math
 import os
+import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -20,12 +24,39 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
+from ..engram.group import EngramWorkerError
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
 from ..engram.store import LocalRowStore
 from ..engram.streams import family_layout
+from ..engram.table_file import TableFileError
 from . import CATEGORY, NODE_ID_PREFIX
 
 logger = logging.getLogger(__name__)
+
+# ----- plain error type names -----
+#
+# ComfyUI shows an error's type as `module.qualname` (execution.full_type_name, same in 0.3.75 and
+# 0.29), and it imports a custom node pack under its folder's PATH as the module name, so the pack's
+# own exceptions would read "/home/.../custom_nodes/fp8_engram.engram.group.EngramWorkerError". Their
+# module is renamed to the pack's name, which is all a user needs to see: "fp8_engram.EngramWorkerError".
+PACK_MODULE = "fp8_engram"
+_PACK_ROOT = __name__.rsplit(".", 2)[0]  # this module is <pack>.nodes.engram
+
+
+def plain_error_names(root: str = _PACK_ROOT, shown_as: str = PACK_MODULE) -> list[str]:
+    """Give every exception class defined in the pack's loaded modules the module name `shown_as`."""
+    renamed = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == root or name.startswith(root + ".")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == name:
+                value.__module__ = shown_as
+                renamed.append(value.__qualname__)
+    return renamed
+
+
+plain_error_names()
 
 ENGRAM_CATEGORY = f"{CATEGORY}/engram"
 EngramMemoryType = io.Custom("ENGRAM_MEMORY")
@@ -99,31 +130,267 @@ def _bind(memory: EngramMemory, clip) -> None:
     memory.host_clip_tokenize = lambda text: _tokenize(clip, text)
 
 
-# ----- memory lifetime: one live memory per New/Load node, reused while its settings stay the same -----
+# ----- memory lifetime -----
+#
+# One live memory per New/Load node, reused while its settings stay the same. The registry holds
+# memories WEAKLY: ComfyUI's output cache owns them. When the cache lets go of a memory (its node was
+# deleted, or its node runs again and ComfyUI drops the old output first), the memory's tables are
+# parked: a run of the same node with the same settings during that prompt takes them back (no new
+# worker processes); otherwise they are closed, with their worker processes, once that prompt is done.
+# A node run with other settings closes its previous memory at once; ComfyUI's "free model memory"
+# (POST /free, which calls comfy.model_management.unload_all_models) closes every memory. A memory that
+# was closed or lost a worker makes its node report "changed" (fingerprint_inputs), so the next prompt
+# builds it again instead of being served the dead one from the cache.
 
-_live_lock = threading.Lock()
-_live: dict[str, tuple[tuple, EngramMemory]] = {}
+_live_lock = threading.RLock()
+_PARK_FALLBACK_S = 30.0  # when ComfyUI's prompt queue cannot be read: how long parked tables wait
+_REAP_PERIOD_S = 0.5
 
 
-def _replace_live(node_id: str | None, key: tuple, make, reuse) -> EngramMemory:
+class _Live:
+    __slots__ = ("key", "ref")
+
+    def __init__(self, key: tuple, memory: EngramMemory) -> None:
+        self.key = key
+        self.ref = weakref.ref(memory)
+
+
+class _Parked:
+    __slots__ = ("key", "store", "state", "name", "prompt_id", "since")
+
+    def __init__(self, key, store, state, name, prompt_id) -> None:
+        self.key, self.store, self.state, self.name, self.prompt_id = key, store, state, name, prompt_id
+        self.since = time.monotonic()
+
+
+_live: dict[str, _Live] = {}
+_parked: dict[str, _Parked] = {}
+_made: "weakref.WeakSet[EngramMemory]" = weakref.WeakSet()  # every memory the nodes made, until collected
+_reaper: threading.Thread | None = None
+
+
+def _close_store_quietly(store, name: str) -> None:
+    try:
+        store.close()
+    except Exception:  # may run from a finalizer or the reaper: log, never raise
+        logger.warning("engram: closing the tables of %s failed", name, exc_info=True)
+
+
+def _running_prompt_ids() -> set | None:
+    """Ids of the prompts ComfyUI is running now; None when its queue cannot be read."""
+    try:
+        from server import PromptServer
+
+        queue = PromptServer.instance.prompt_queue
+        with queue.mutex:
+            return {item[1] for item in queue.currently_running.values()}
+    except Exception:
+        return None
+
+
+def _current_prompt_id() -> str | None:
+    try:
+        from server import PromptServer
+
+        return getattr(PromptServer.instance, "last_prompt_id", None)
+    except Exception:
+        return None
+
+
+def _on_collected(node_id: str | None, key: tuple, store, state, name: str) -> None:
+    """Finalizer of a node's memory: park its tables for the prompt now running, or close them."""
+    if node_id is None or state.closed_reason is not None:
+        _close_store_quietly(store, name)
+        return
     with _live_lock:
-        old = _live.get(node_id) if node_id is not None else None
-        if old is not None and old[0] == key:
-            try:
-                reuse(old[1])
-                return old[1]
-            except Exception:
-                logger.warning("engram: the previous memory of node %s could not be reused; making a new one", node_id, exc_info=True)
-        if old is not None:
+        entry = _live.get(node_id)
+        if entry is not None and entry.ref() is None:
             _live.pop(node_id, None)
-            try:
-                old[1].close()  # frees its worker processes
-            except Exception:
-                logger.warning("engram: closing the previous memory of node %s failed", node_id, exc_info=True)
+        previous = _parked.pop(node_id, None)
+        _parked[node_id] = _Parked(key, store, state, name, _current_prompt_id())
+    if previous is not None and previous.store is not store:
+        previous.state.closed_reason = previous.state.closed_reason or "closed: replaced"
+        _close_store_quietly(previous.store, previous.name)
+    _start_reaper()
+
+
+def _start_reaper() -> None:
+    global _reaper
+    with _live_lock:
+        if _reaper is not None and _reaper.is_alive():
+            return
+        _reaper = threading.Thread(target=_reap_loop, name="engram-release", daemon=True)
+        _reaper.start()
+
+
+def _reap_loop() -> None:
+    """Close parked tables nobody took back: once the prompt that parked them is done."""
+    global _reaper
+    while True:
+        time.sleep(_REAP_PERIOD_S)
+        running = _running_prompt_ids()
+        now = time.monotonic()
+        with _live_lock:
+            done = [node_id for node_id, p in _parked.items()
+                    if (running is None and now - p.since > _PARK_FALLBACK_S)
+                    or (running is not None and p.prompt_id not in running)]
+            expired = [_parked.pop(node_id) for node_id in done]
+            if not _parked and not expired:
+                _reaper = None
+                return
+        for parked in expired:
+            logger.info("engram: released the tables of %s (its node's output is gone)", parked.name)
+            parked.state.closed_reason = parked.state.closed_reason or "released: its node's output is gone"
+            _close_store_quietly(parked.store, parked.name)
+
+
+def _adopt(memory: EngramMemory, node_id: str | None, key: tuple) -> EngramMemory:
+    """Register a memory made by a node: parked or closed when it is collected, closed by release_all()."""
+    weakref.finalize(memory, _on_collected, node_id, key, memory.store, memory.state, memory.name)
+    _made.add(memory)
+    return memory
+
+
+def _problem(memory: EngramMemory) -> str | None:
+    """None when the memory can serve; else why not, as a phrase ("closed ...", "lost ...")."""
+    if memory.closed:
+        return memory.closed_reason
+    try:
+        memory.check()
+    except EngramWorkerError as exc:
+        return _lost_reason(exc)
+    except Exception as exc:  # a store that cannot tell: treat as unusable
+        return f"lost: {exc}"
+    return None
+
+
+def _lost_reason(exc: BaseException) -> str:
+    rank = getattr(exc, "rank", None)
+    who = f"engram worker rank {rank}" if rank is not None else "an engram worker"
+    code = getattr(exc, "exitcode", None)
+    how = "" if code is None else (f" (killed by signal {-code})" if code < 0 else f" (exit code {code})")
+    return f"lost: {who} died{how}"
+
+
+def release_all(reason: str) -> int:
+    """Close every memory the nodes made (their tables, GPU memory and worker processes), all at once
+    (each close waits for its workers to stop). Returns how many were closed."""
+    with _live_lock:
+        memories = [m for m in list(_made) if not m.closed]
+        parked = list(_parked.values())
+        _live.clear()
+        _parked.clear()
+
+    def close_memory(memory: EngramMemory) -> None:
+        try:
+            memory.close(reason)
+        except Exception:
+            logger.warning("engram: closing %s failed", memory.name, exc_info=True)
+
+    def close_parked(p: _Parked) -> None:
+        p.state.closed_reason = p.state.closed_reason or reason
+        _close_store_quietly(p.store, p.name)
+
+    closers = [threading.Thread(target=close_memory, args=(m,), daemon=True) for m in memories]
+    closers += [threading.Thread(target=close_parked, args=(p,), daemon=True) for p in parked]
+    for thread in closers:
+        thread.start()
+    for thread in closers:
+        thread.join()
+    if closers:
+        logger.info("engram: %s: released %d memory(ies)", reason, len(closers))
+    return len(closers)
+
+
+def _install_release_hook() -> None:
+    """Close every engram memory when ComfyUI unloads all models ("free model memory": POST /free with
+    unload_models or free_memory; also its out-of-memory recovery). Both ComfyUI 0.3.75 and 0.29 call
+    comfy.model_management.unload_all_models() through the module there; it has no hook list."""
+    mm = comfy.model_management
+    original = mm.unload_all_models
+    if getattr(original, "_fp8_engram_releases", False):
+        return
+
+    @functools.wraps(original)
+    def unload_all_models(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            release_all("released when ComfyUI freed model memory")
+
+    unload_all_models._fp8_engram_releases = True
+    mm.unload_all_models = unload_all_models
+
+
+_install_release_hook()
+
+
+def _current_node_id() -> str | None:
+    """The id of the node ComfyUI is running a method of (fingerprint_inputs gets no hidden inputs)."""
+    try:
+        from comfy_execution.utils import get_executing_context
+    except ImportError:
+        return None
+    context = get_executing_context()
+    return None if context is None else str(context.node_id)
+
+
+def _live_memory(node_id: str | None, key: tuple | None = None) -> EngramMemory | None:
+    with _live_lock:
+        entry = _live.get(node_id) if node_id is not None else None
+        if entry is None or (key is not None and entry.key != key):
+            return None
+        return entry.ref()
+
+
+def _replace_live(node_id: str | None, key: tuple, make, reuse, rewrap) -> tuple[EngramMemory, str | None]:
+    """(the node's memory, why its previous memory had to be replaced or None).
+
+    Reuses the node's previous memory (or its parked tables, through `rewrap(store, state)`) when
+    the key is the same and it still serves; otherwise closes it and makes a new one. A reuse that
+    fails (a worker died, an interrupt, a bad file) closes the previous memory: nothing half-rewritten
+    is kept. An interrupt or a file error propagates."""
+    with _live_lock:
+        entry = _live.pop(node_id, None) if node_id is not None else None
+        old = entry.ref() if entry is not None else None
+        parked = _parked.pop(node_id, None) if node_id is not None and old is None else None
+        if parked is not None:
+            if parked.key == key and parked.state.closed_reason is None:
+                old = rewrap(parked.store, parked.state)
+                entry = _Live(key, old)
+            else:
+                parked.state.closed_reason = parked.state.closed_reason or "closed: its node now has other settings"
+                _close_store_quietly(parked.store, parked.name)
+        note = None
+        if old is not None:
+            note = _problem(old)
+            if note is None and entry.key == key:
+                try:
+                    reuse(old)
+                except EngramWorkerError as exc:
+                    note = _lost_reason(exc)
+                    old.close(note)
+                except BaseException:
+                    old.close("closed: its rebuild failed or was cancelled")
+                    raise
+                else:
+                    _live[node_id] = entry
+                    return old, None
+            if not old.closed:
+                old.close("closed: its node now has other settings" if note is None else note)
         memory = make()
         if node_id is not None:
-            _live[node_id] = (key, memory)
-        return memory
+            _live[node_id] = _Live(key, memory)
+        return memory, note
+
+
+def _check_interrupt_or_close(store) -> None:
+    """A cancel that arrived while tables were being built: drop them rather than hand them on."""
+    try:
+        comfy.model_management.throw_exception_if_processing_interrupted()
+    except BaseException:
+        store.close()
+        raise
 
 
 def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int):
@@ -139,8 +406,44 @@ def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str
     return EngramGroup(rows_per_layer_fn(cpu_ranks), hidden, dtype, num_ranks=cpu_ranks, device="cpu")
 
 
+_HEALTH_PERIOD_S = 0.25  # how often a long node (Engram Train) looks at its memory's workers
 _DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3fn": torch.float8_e4m3fn}
 _by_settings: "weakref.WeakValueDictionary[tuple, EngramMemory]" = weakref.WeakValueDictionary()
+
+SAVE_ADVICE = ("To keep what a memory has learned across such failures, save it with Save Engram Memory and "
+               "use it through Load Engram Memory, which rebuilds it from the file.")
+
+
+def _recovery(memory: EngramMemory) -> str:
+    """What happens when the prompt is queued again, for a memory that lost a worker."""
+    if memory.source:
+        name = os.path.basename(memory.source)
+        return f"Queue the prompt again: Load Engram Memory rebuilds it from {name}."
+    saved = getattr(memory, "saved_to", None)
+    kept = f" (its last save, {os.path.basename(saved)}, is intact)" if saved else ""
+    return (f"What was written into it since it was made is lost{kept}. Queue the prompt again: New Engram Memory "
+            f"makes a new empty memory and the nodes after it write it again. {SAVE_ADVICE}")
+
+
+@contextlib.contextmanager
+def _serving(node: str, memory: EngramMemory):
+    """Run a node's use of `memory`; a dead worker or a closed memory becomes an error that names the
+    memory, the rank and what to do (and the failed memory is closed, freeing its other workers)."""
+    try:
+        if memory.closed:
+            raise EngramMemoryError(f"{memory.name} was {memory.closed_reason}; queue the prompt again to make it again")
+        yield
+    except EngramWorkerError as exc:
+        reason = _lost_reason(exc)
+        logger.warning("engram: %s: %s was %s (%s)", node, memory.name, reason, exc)
+        memory.close(reason)
+        rank = getattr(exc, "rank", None)
+        code = getattr(exc, "exitcode", None)
+        how = "" if code is None else (f" (killed by signal {-code})" if code < 0 else f" (exit code {code})")
+        worker = f"its engram worker rank {rank}" if rank is not None else "one of its engram workers"
+        raise EngramWorkerError(f"{node}: {memory.name} lost {worker}{how}. {_recovery(memory)}", rank, code) from exc
+    except EngramMemoryError as exc:
+        raise EngramMemoryError(f"{node}: {exc}") from exc
 
 
 def _settings(*values) -> tuple:
@@ -156,7 +459,8 @@ class NewEngramMemory(io.ComfyNode):
             category=ENGRAM_CATEGORY,
             description="Makes an empty n-gram memory for this CLIP's text encoders (one table per encoder "
             "stream), sharded over every GPU (devices = auto) or over N CPU processes. Re-running with the same "
-            "settings reuses the tables and workers and empties them.",
+            "settings reuses the tables and workers and empties them. If a worker process dies, the next run "
+            "makes a new memory (what was written is lost unless saved with Save Engram Memory).",
             inputs=[
                 io.Clip.Input("clip", tooltip="The text encoder the memory will read prompts of (its tokenizers and widths)."),
                 io.Int.Input("max_order", default=3, min=2, max=6, tooltip="Longest n-gram hashed (orders 2..N)."),
@@ -176,23 +480,38 @@ class NewEngramMemory(io.ComfyNode):
     def fingerprint_inputs(cls, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, **kwargs):
         # A memory this node made and that was written since (Memorize, Train) is no longer the empty
         # memory this node promises: run again (reusing and clearing its tables) so the graph's result
-        # does not depend on what earlier runs wrote.
-        memory = _by_settings.get(_settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed))
-        if memory is None or memory.version == getattr(memory, "clean_version", memory.version):
+        # does not depend on what earlier runs wrote. A memory that was closed or lost a worker must not
+        # be served from ComfyUI's cache either: run again to build a new one.
+        settings = _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed)
+        memory = _by_settings.get((_current_node_id(), settings))
+        if memory is None:
             return "clean"
-        return f"written {memory.uid} {memory.version}"
+        if _problem(memory) is not None:
+            return f"rebuild {memory.uid}"
+        if memory.version != getattr(memory, "clean_version", memory.version):
+            return f"written {memory.uid} {memory.version}"
+        return "clean"
 
     @classmethod
     def execute(cls, clip, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed) -> io.NodeOutput:
+        node_id = cls.hidden.unique_id
         layout = _clip_layout(clip)
         tokenizers = _clip_tokenizers(clip)
         config, vocabs = make_config(layout, tokenizers, max_order=max_order, heads=heads, rows_per_head=rows_per_head, seed=seed, gate=context_gate)
         key = ("new", config.to_metadata().__repr__(), dtype, devices, cpu_ranks)
 
+        def wrap(store, state=None):
+            memory = EngramMemory(config, store, vocabs)
+            if state is not None:  # tables taken back from a parked memory, with what was written into them
+                memory.state = state
+            memory.name = f"the memory of New Engram Memory (node {node_id})"
+            return _adopt(memory, node_id, key)
+
         def make():
             store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks)
             try:
-                return EngramMemory(config, store, vocabs)
+                _check_interrupt_or_close(store)
+                return wrap(store)
             except BaseException:
                 store.close()
                 raise
@@ -200,11 +519,18 @@ class NewEngramMemory(io.ComfyNode):
         def reuse(m):
             m.clear()
 
-        memory = _replace_live(cls.hidden.unique_id, key, make, reuse)
+        memory, lost = _replace_live(node_id, key, make, reuse, wrap)
         memory.clean_version = memory.version
-        _by_settings[_settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed)] = memory
+        _by_settings[(str(node_id), _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed))] = memory
         _bind(memory, clip)
-        return io.NodeOutput(memory, ui={"text": [repr(memory)], "worker_pids": _worker_pids(memory)})
+        text = repr(memory)
+        if lost is not None and lost.startswith("lost"):
+            logger.warning("engram: the memory of New Engram Memory (node %s) was %s; made a new empty one", node_id, lost)
+            text = (f"The previous memory of this node was {lost}; this is a new empty memory, and what was written "
+                    f"into the old one is gone. {SAVE_ADVICE}\n{text}")
+        elif lost is not None:
+            text = f"Made again (the previous memory was {lost}).\n{text}"
+        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": _worker_pids(memory)})
 
 
 def _worker_pids(memory: EngramMemory) -> list[int]:
@@ -225,7 +551,9 @@ class LoadEngramMemory(io.ComfyNode):
             node_id=NODE_ID_PREFIX + "LoadEngramMemory",
             display_name="Load Engram Memory",
             category=ENGRAM_CATEGORY,
-            description="Loads an engram table file from models/engram; each worker reads only its own rows.",
+            description="Loads an engram table file from models/engram; each worker reads only its own rows. "
+            "Runs again (reloading the file) when the memory was written since (Memorize, Train), and rebuilds "
+            "it from the file when a worker process died.",
             inputs=[
                 io.Combo.Input("memory_name", options=_engram_files(), tooltip="A table file in models/engram (written by Save Engram Memory)."),
                 io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip="auto: one shard per GPU (CPU processes when there is no GPU); cpu: cpu_ranks CPU processes."),
@@ -237,37 +565,67 @@ class LoadEngramMemory(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, memory_name, **kwargs):
+    def fingerprint_inputs(cls, memory_name, devices="auto", cpu_ranks=1, **kwargs):
         path = folder_paths.get_full_path(FOLDER, memory_name)
-        return os.path.getmtime(path) if path and os.path.exists(path) else float("nan")
+        if not path or not os.path.exists(path):
+            return float("nan")
+        mtime = os.path.getmtime(path)
+        memory = _live_memory(_current_node_id(), ("load", path, mtime, devices, cpu_ranks))
+        if memory is None:
+            return mtime
+        if _problem(memory) is not None:
+            return f"{mtime} rebuild {memory.uid}"
+        if memory.version != getattr(memory, "clean_version", memory.version):
+            return f"{mtime} written {memory.uid} {memory.version}"  # reload: the file, not what was written since
+        return mtime
 
     @classmethod
     def execute(cls, memory_name, devices, cpu_ranks, clip=None) -> io.NodeOutput:
+        node_id = cls.hidden.unique_id
         path = folder_paths.get_full_path_or_raise(FOLDER, memory_name)
         config, geometry = config_from_table_file(path)
         dtype = torch.float8_e4m3fn if geometry.get("dtype") == "float8_e4m3fn" else torch.bfloat16
         key = ("load", path, os.path.getmtime(path), devices, cpu_ranks)
 
+        def wrap(store, state=None):
+            memory = EngramMemory(config, store)
+            if state is not None:
+                memory.state = state
+            memory.mark_untracked()
+            memory.name = f"the memory {memory_name}"
+            memory.source = path
+            return _adopt(memory, node_id, key)
+
         def make():
             store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks)
             try:
+                _check_interrupt_or_close(store)
                 store.load_table_file(path)
-                memory = EngramMemory(config, store)
+                _check_interrupt_or_close(store)
+                return wrap(store)
             except BaseException:
                 store.close()
                 raise
-            memory.mark_untracked()
-            return memory
 
         def reload(memory):
+            comfy.model_management.throw_exception_if_processing_interrupted()
             memory.store.load_table_file(path)
             memory.mark_untracked()
             memory.version += 1
+            comfy.model_management.throw_exception_if_processing_interrupted()
 
-        memory = _replace_live(cls.hidden.unique_id, key, make, reload)
+        memory, lost = _replace_live(node_id, key, make, reload, wrap)
+        memory.clean_version = memory.version
         if clip is not None:
-            _bind(memory, clip)
-        return io.NodeOutput(memory, ui={"text": [f"{memory_name}: {memory!r}"]})
+            with _serving("Load Engram Memory", memory):
+                _bind(memory, clip)
+        text = f"{memory_name}: {memory!r}"
+        if lost is not None and lost.startswith("lost"):
+            logger.warning("engram: the memory from %s was %s; rebuilt it from the file", memory_name, lost)
+            text = f"Rebuilt from {memory_name}: the previous memory was {lost}.\n{text}"
+        elif lost is not None:
+            text = f"Loaded again from {memory_name} (the previous memory was {lost}).\n{text}"
+        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": _worker_pids(memory)})
 
 
 class SaveEngramMemory(io.ComfyNode):
@@ -297,7 +655,9 @@ class SaveEngramMemory(io.ComfyNode):
         folder = folder_paths.get_folder_paths(FOLDER)[0]
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, name)
-        memory.save(path)
+        with _serving("Save Engram Memory", memory):
+            memory.save(path)
+        memory.saved_to = path
         return io.NodeOutput(memory, ui={"text": [f"saved {path} (version {memory.version})"]})
 
 
@@ -350,14 +710,12 @@ class EngramTextEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip, text, memory, strength) -> io.NodeOutput:
-        try:
+        with _serving("Engram Text Encode", memory):
             _bind(memory, clip)
             tokens = _tokenize(clip, text)
             conditioning = _encode(clip, tokens)
             out = _apply_to_conditioning(conditioning, memory, tokens, strength)
             ui = _hit_report(memory, tokens, clip)
-        except EngramMemoryError as exc:
-            raise EngramMemoryError(f"Engram Text Encode: {exc}") from exc
         return io.NodeOutput(out, ui=ui)
 
 
@@ -381,7 +739,7 @@ class EngramApply(io.ComfyNode):
 
     @classmethod
     def execute(cls, conditioning, text, memory, strength, clip=None) -> io.NodeOutput:
-        try:
+        with _serving("Engram Apply", memory):
             if clip is not None:
                 _bind(memory, clip)
             tokenize = getattr(memory, "host_clip_tokenize", None)
@@ -390,8 +748,6 @@ class EngramApply(io.ComfyNode):
             tokens = tokenize(text)
             out = _apply_to_conditioning(conditioning, memory, tokens, strength)
             ui = _hit_report(memory, tokens, clip if clip is not None else getattr(memory, "host_clip", None))
-        except EngramMemoryError as exc:
-            raise EngramMemoryError(f"Engram Apply: {exc}") from exc
         return io.NodeOutput(out, ui=ui)
 
 
@@ -417,7 +773,7 @@ class EngramMemorize(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, text, target_text, target=None) -> io.NodeOutput:
-        try:
+        with _serving("Engram Memorize", memory):
             _bind(memory, clip)
             tokens = _tokenize(clip, text)
             base = _encode(clip, tokens)[0][0]
@@ -428,8 +784,6 @@ class EngramMemorize(io.ComfyNode):
             else:
                 raise EngramMemoryError("give a target: connect a target CONDITIONING or write a target_text")
             written = memory.memorize(tokens, base, target_cond)
-        except EngramMemoryError as exc:
-            raise EngramMemoryError(f"Engram Memorize: {exc}") from exc
         if not written:
             raise EngramMemoryError(f"Engram Memorize: {text!r} has no n-gram to store; use a phrase of at least two tokens")
         summary = f"memorized {text!r}: {sum(written.values())} rows in {len(written)} stream(s), version {memory.version}"
@@ -516,6 +870,11 @@ class EngramTrain(io.ComfyNode):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Engram Train: pairs file {path} does not exist")
         pairs = _read_pairs(path)
+        with _serving("Engram Train", memory):
+            return cls._train(memory, clip, path, pairs, steps, learning_rate, batch_size, seed)
+
+    @classmethod
+    def _train(cls, memory, clip, path, pairs, steps, learning_rate, batch_size, seed) -> io.NodeOutput:
         _bind(memory, clip)
         triples = []
         for item in pairs:
@@ -540,8 +899,14 @@ class EngramTrain(io.ComfyNode):
         def progress(step, total, loss):
             bar.update_absolute(step, total)
 
+        checked = [time.monotonic()]
+
         def should_stop():
             comfy.model_management.throw_exception_if_processing_interrupted()
+            # Steps run on the host's copy of the touched rows; notice a dead worker now, not at write-back.
+            if time.monotonic() - checked[0] > _HEALTH_PERIOD_S:
+                memory.check()
+                checked[0] = time.monotonic()
             return False
 
         result = memory.fit(examples, steps=steps, lr=learning_rate, batch_size=batch_size, seed=seed, progress=progress, should_stop=should_stop)
@@ -587,9 +952,11 @@ class EngramInspect(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, text) -> io.NodeOutput:
-        _bind(memory, clip)
-        tokens = _tokenize(clip, text)
-        hits = memory.hits(tokens)
+        with _serving("Engram Inspect", memory):
+            _bind(memory, clip)
+            tokens = _tokenize(clip, text)
+            hits = memory.hits(tokens)
+            ui = _hit_report(memory, tokens, clip)
         tokenizers = _clip_tokenizers(clip)
         by_stream = {s.name: s.token_key for s in memory.config.layout.streams}
         lines = [f"{memory!r}"]
@@ -597,7 +964,6 @@ class EngramInspect(io.ComfyNode):
             word = tokenizers[by_stream[h.stream]].decode([h.token_id]).strip() if by_stream[h.stream] in tokenizers else str(h.token_id)
             lines.append(f"{h.stream} row {h.row:4d} {word!r:>16}: {h.entries_hit}/{h.entries} entries, |v| = {h.norm:.4g}")
         report = "\n".join(lines)
-        ui = _hit_report(memory, tokens, clip)
         ui["text"] = [report]
         return io.NodeOutput(_heat_map(hits), report, ui=ui)
 

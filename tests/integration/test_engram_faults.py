@@ -1,0 +1,399 @@
+"""Faults on the real server: engram workers killed (SIGKILL) at any moment, POST /interrupt during loads
+and training, and ComfyUI's "free model memory".
+
+What must hold: the node that meets a dead worker fails with an error naming the memory and the rank,
+under a plain type name; the very next prompt works without /free or a restart (a memory loaded from a
+file is rebuilt from it and says so; an unsaved memory says it was lost and how to avoid that); an
+interrupted load or training leaves nothing half-built for a later prompt; /free and a replaced memory
+end the worker processes.
+
+Kills and interrupts are sent from the test when ComfyUI's websocket says the target node is running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+import torch
+from comfyhost import WorkflowError
+from helpers.graphs import TINY_UNET, sd3_txt2img
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.integration
+
+PHRASE = "glowing crystal apple"
+TARGET_PHRASE = "rusty old bicycle"
+PROMPT = f"{PHRASE} on a wooden table"
+ERROR_TYPE = "fp8_engram.EngramWorkerError"
+_serial = iter(range(10**6))
+
+
+# ----- graphs -----
+
+def clip_node() -> dict:
+    return sd3_txt2img()["2"]
+
+
+def new_memory(rows_per_head: int, ranks: int = 2) -> dict:
+    return {"class_type": "FP8Engram.NewEngramMemory", "inputs": {
+        "clip": ["2", 0], "max_order": 3, "heads": 4, "rows_per_head": rows_per_head, "dtype": "bf16",
+        "devices": "cpu", "cpu_ranks": ranks, "context_gate": False, "seed": 0}}
+
+
+def load_memory(name: str, ranks: int = 2) -> dict:
+    return {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {"memory_name": name, "devices": "cpu", "cpu_ranks": ranks}}
+
+
+def memory_graph(memory: dict, *, memorize: bool = True, strength: float = 1.0) -> dict:
+    """CLIP -> memory ("30") [-> Memorize ("31")] -> Engram Text Encode ("3") vs CLIP Text Encode ("40")."""
+    graph = {"2": clip_node(), "30": memory}
+    ref = ["30", 0]
+    if memorize:
+        graph["31"] = {"class_type": "FP8Engram.EngramMemorize", "inputs": {
+            "memory": ref, "clip": ["2", 0], "text": PHRASE, "target_text": TARGET_PHRASE}}
+        ref = ["31", 0]
+    graph["3"] = {"class_type": "FP8Engram.EngramTextEncode", "inputs": {"clip": ["2", 0], "text": PROMPT, "memory": ref, "strength": strength}}
+    graph["40"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": PROMPT}}
+    graph["44"] = {"class_type": "FP8Engram.ConditioningSimilarity", "inputs": {"a": ["3", 0], "b": ["40", 0], "first_row": 0, "rows": 0}}
+    return graph
+
+
+def train_node(memory_ref: list, steps: int) -> dict:
+    return {"class_type": "FP8Engram.EngramTrain", "inputs": {
+        "memory": memory_ref, "clip": ["2", 0], "pairs_file": "fault_pairs.jsonl", "steps": steps,
+        "learning_rate": 0.05, "batch_size": 4, "seed": 0}}
+
+
+def similarity(history: dict, node: str = "44") -> dict:
+    return json.loads(history["outputs"][node]["text"][0])
+
+
+def node_text(history: dict, node: str) -> str:
+    return "\n".join(history["outputs"][node]["text"])
+
+
+# ----- the server's processes and messages -----
+
+def engram_workers(server) -> set[int]:
+    """Pids of the engram worker processes the server runs now (zombies excluded)."""
+    out = set()
+    for child in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "engram" in cmd and "worker" in cmd:
+            out.add(child.pid)
+    return out
+
+
+def ended(pid: int) -> bool:
+    """True once process `pid` has exited (a zombie counts): what the server can see too."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+
+
+def run_with(comfy, graph: dict, trigger, action, timeout: float = 300.0) -> tuple[dict | None, WorkflowError | None, bool]:
+    """Queue `graph`; when a websocket message satisfies `trigger(type, data)`, call `action()` once.
+    Returns (history or None, the WorkflowError or None, whether the action ran)."""
+    import websocket
+
+    ws = websocket.create_connection(f"{comfy.url.replace('http', 'ws', 1)}/ws?clientId={comfy.client_id}", timeout=1.0)
+    fired = threading.Event()
+    prompt_id = comfy.queue(graph)
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not fired.is_set():
+            try:
+                raw = ws.recv()
+            except websocket.WebSocketTimeoutException:
+                continue
+            except Exception:
+                return
+            if not isinstance(raw, str):
+                continue
+            message = json.loads(raw)
+            data = message.get("data") or {}
+            if data.get("prompt_id") not in (None, prompt_id):
+                continue
+            if trigger(message.get("type"), data):
+                action()
+                fired.set()
+                return
+            if message.get("type") in ("execution_success", "execution_error", "execution_interrupted"):
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        try:
+            return comfy.wait(prompt_id, timeout), None, fired.is_set()
+        except WorkflowError as exc:
+            return None, exc, fired.is_set()
+    finally:
+        fired.set()
+        watcher.join(5)
+        ws.close()
+
+
+def executing(node: str):
+    return lambda kind, data: kind == "executing" and data.get("node") == node
+
+
+def progressing(node: str, at_least: int = 1):
+    return lambda kind, data: kind == "progress" and data.get("node") == node and data.get("value", 0) >= at_least
+
+
+def execution_error(exc: WorkflowError) -> dict:
+    for kind, data in exc.details.get("status", {}).get("messages", []):
+        if kind == "execution_error":
+            return data
+    raise AssertionError(f"no execution_error in {exc.details.get('status')}")
+
+
+def interrupted_node(exc: WorkflowError | None) -> str | None:
+    if exc is None:
+        return None
+    for kind, data in exc.details.get("status", {}).get("messages", []):
+        if kind == "execution_interrupted":
+            return data.get("node_id")
+    return None
+
+
+def interrupt(comfy) -> None:
+    requests.post(comfy.url + "/interrupt", json={}, timeout=10)
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def assert_worker_error(exc: WorkflowError, memory_words: str, rank: int = 1) -> dict:
+    error = execution_error(exc)
+    assert error["exception_type"] == ERROR_TYPE  # a plain name, not the pack's file path
+    message = error["exception_message"]
+    assert memory_words in message, message
+    assert f"worker rank {rank}" in message, message
+    assert "Close this group" not in message  # nothing a user could not do from the graph
+    return error
+
+
+@pytest.fixture(scope="module")
+def pairs_file(comfy_server) -> str:
+    pairs = [{"prompt": f"{s} with a {PHRASE}", "target": f"{s} with a {TARGET_PHRASE}"} for s in ("a cat", "a robot", "a queen", "a farmer")]
+    (comfy_server.base_dir / "input" / "fault_pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs) + "\n")
+    return "fault_pairs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def saved_memory(comfy, models_dir) -> tuple[str, dict]:
+    """A memorized memory saved to models/engram, and the encode similarity it gives."""
+    graph = memory_graph(new_memory(1021, ranks=1))
+    graph["50"] = {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["31", 0], "name": "faults_saved"}}
+    history = comfy.run(graph)
+    assert (models_dir / "engram" / "faults_saved.safetensors").exists()
+    return "faults_saved.safetensors", similarity(history)
+
+
+# ----- killed workers -----
+
+def test_killed_idle_worker_of_an_empty_memory_is_rebuilt_by_the_next_prompt(comfy, comfy_server):
+    """The case that poisoned ComfyUI's cache: a clean New Engram Memory whose worker died while idle."""
+    graph = memory_graph(new_memory(1009), memorize=False)
+    first = comfy.run(graph)
+    pids = first["outputs"]["30"]["worker_pids"]
+    assert len(pids) == 1 and pids[0] in engram_workers(comfy_server)
+    kill(pids[0])
+    wait_until(lambda: ended(pids[0]), what="the killed worker ending")
+    started = time.monotonic()
+    second = comfy.run(graph)  # the same prompt: no /free, no changed setting
+    assert time.monotonic() - started < 60
+    assert second["outputs"]["30"]["worker_pids"] != pids
+    text = node_text(second, "30")
+    assert "lost" in text and "worker rank 1" in text and "Save Engram Memory" in text, text
+    assert similarity(second)["identical"] is True  # still the empty memory it promises
+
+
+def test_killed_worker_during_memorize_names_memory_and_rank_then_next_prompt_works(comfy, comfy_server):
+    graph = memory_graph(new_memory(1013))
+    pids = comfy.run(graph)["outputs"]["30"]["worker_pids"]
+    graph["3"]["inputs"]["strength"] = 0.95  # forces the chain after the memory to run again
+    _, exc, fired = run_with(comfy, graph, executing("31"), lambda: kill(pids[0]))
+    assert fired and exc is not None, "the prompt with a killed worker must fail"
+    error = assert_worker_error(exc, "New Engram Memory (node 30)")
+    assert error["node_id"] in ("31", "3")
+    assert "lost" in error["exception_message"] and "Save Engram Memory" in error["exception_message"]
+    wait_until(lambda: not (engram_workers(comfy_server) & set(pids)), what="the failed memory's workers ending")
+    history = comfy.run(graph)  # the very next prompt, unchanged
+    assert similarity(history)["identical"] is False  # memorized again into the new memory
+
+
+def test_killed_worker_during_fetch_then_next_prompt_works(comfy, comfy_server):
+    graph = memory_graph(new_memory(1019), memorize=False)
+    pids = comfy.run(graph)["outputs"]["30"]["worker_pids"]
+    graph["3"]["inputs"]["text"] = PROMPT + " at noon"  # Engram Text Encode runs again, New stays cached
+    graph["40"]["inputs"]["text"] = PROMPT + " at noon"
+    _, exc, fired = run_with(comfy, graph, executing("3"), lambda: kill(pids[0]))
+    assert fired and exc is not None
+    error = assert_worker_error(exc, "New Engram Memory (node 30)")
+    assert error["node_id"] == "3"
+    history = comfy.run(graph)
+    assert similarity(history)["identical"] is True
+
+
+def test_killed_worker_during_training_then_next_prompt_works(comfy, comfy_server, pairs_file):
+    graph = memory_graph(new_memory(1031), memorize=False)
+    graph["32"] = train_node(["30", 0], steps=20000)
+    graph["3"]["inputs"]["memory"] = ["32", 0]
+    victim = {}
+
+    def kill_worker():
+        victim["pids"] = sorted(engram_workers(comfy_server))
+        kill(victim["pids"][0])
+
+    started = time.monotonic()
+    _, exc, fired = run_with(comfy, graph, progressing("32", 5), kill_worker)
+    assert fired and exc is not None
+    error = assert_worker_error(exc, "New Engram Memory (node 30)")
+    assert error["node_id"] == "32"
+    assert time.monotonic() - started < 120  # the training noticed, it did not run its 20000 steps
+    graph["32"]["inputs"]["steps"] = 30
+    history = comfy.run(graph)
+    assert history["outputs"]["32"]["losses"][-1] < history["outputs"]["32"]["losses"][0]
+    assert "lost" in node_text(history, "30")
+
+
+def test_killed_worker_of_a_loaded_memory_rebuilds_it_from_the_file(comfy, comfy_server, saved_memory):
+    name, expected = saved_memory
+    graph = memory_graph(load_memory(name), memorize=False)
+    first = comfy.run(graph)
+    assert similarity(first) == expected
+    pids = first["outputs"]["30"]["worker_pids"]
+    graph["3"]["inputs"]["strength"] = 0.9
+    _, exc, fired = run_with(comfy, graph, executing("3"), lambda: kill(pids[0]))
+    assert fired and exc is not None
+    error = assert_worker_error(exc, name)
+    assert f"rebuilds it from {name}" in error["exception_message"]
+    graph["3"]["inputs"]["strength"] = 1.0
+    history = comfy.run(graph)
+    assert similarity(history) == expected  # the file's contents, as before the kill
+    assert f"Rebuilt from {name}" in node_text(history, "30")
+    assert not set(pids) & engram_workers(comfy_server)
+
+
+# ----- interrupts -----
+
+def test_interrupted_memory_load_leaves_no_half_built_memory(comfy, comfy_server, saved_memory):
+    name, expected = saved_memory
+    before = engram_workers(comfy_server)
+    graph = memory_graph(load_memory(name, ranks=3), memorize=False)
+    graph["3"]["inputs"]["strength"] = 1.0 - next(_serial) * 1e-3
+    _, exc, fired = run_with(comfy, graph, executing("30"), lambda: interrupt(comfy))
+    assert fired and interrupted_node(exc) == "30", "the interrupt must land in Load Engram Memory"
+    wait_until(lambda: engram_workers(comfy_server) <= before, what="the half-built memory's workers ending")
+    graph["3"]["inputs"]["strength"] = 1.0
+    history = comfy.run(graph)
+    assert similarity(history) == expected
+    assert "Rebuilt" not in node_text(history, "30")
+
+
+def test_interrupted_training_leaves_the_memory_as_it_was(comfy, comfy_server, saved_memory, pairs_file):
+    name, expected = saved_memory
+    graph = memory_graph(load_memory(name, ranks=1), memorize=False)
+    graph["32"] = train_node(["30", 0], steps=20000)
+    graph["3"]["inputs"]["memory"] = ["32", 0]
+    _, exc, fired = run_with(comfy, graph, progressing("32", 5), lambda: interrupt(comfy))
+    assert fired and interrupted_node(exc) == "32"
+    plain = memory_graph(load_memory(name, ranks=1), memorize=False)
+    history = comfy.run(plain)  # Load Engram Memory is served from the cache: it must be untouched
+    assert similarity(history) == expected
+
+
+def test_interrupted_fp8_load_leaves_nothing_a_later_prompt_picks_up(comfy, models_dir, output_dir):
+    from helpers import fp8_files
+
+    folder = models_dir / "diffusion_models"
+    source = folder / "faults_fp8_source.safetensors"
+    if not source.exists():
+        fp8_files.write_format(load_file(str(folder / TINY_UNET)), source, "comfy_quant_per_layer")
+
+    def graph_for(name: str, prefix: str) -> dict:
+        return sd3_txt2img(model={"class_type": "FP8Engram.LoadFP8DiffusionModel", "inputs": {
+            "unet_name": name, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"}},
+            save="latent", prefix=prefix, seed=11)
+
+    def latent(history: dict) -> torch.Tensor:
+        entry = history["outputs"]["10"]["latents"][0]
+        return load_file(str(Path(output_dir) / entry["subfolder"] / entry["filename"]))["latent_tensor"]
+
+    reference = latent(comfy.run(graph_for(source.name, "faults_ref")))
+    landed = 0
+    for attempt in range(3):  # bounded: the load of a small file is short, the interrupt may come late
+        copy = folder / f"faults_fp8_{next(_serial)}.safetensors"
+        shutil.copyfile(source, copy)
+        graph = graph_for(copy.name, f"faults_int{attempt}")
+        _, exc, fired = run_with(comfy, graph, executing("1"), lambda: interrupt(comfy))
+        landed += interrupted_node(exc) == "1"
+        history = comfy.run(graph)  # the same prompt: the loader must run again and load it whole
+        assert torch.equal(latent(history), reference)
+        if landed:
+            break
+    assert landed, "no interrupt landed inside Load FP8 Diffusion Model in 3 tries"
+
+
+# ----- releasing memory -----
+
+def test_free_model_memory_ends_the_workers_and_the_next_prompt_rebuilds(comfy, comfy_server):
+    graph = memory_graph(new_memory(1033))
+    pids = set(comfy.run(graph)["outputs"]["30"]["worker_pids"])
+    assert pids <= engram_workers(comfy_server)
+    requests.post(comfy.url + "/free", json={"unload_models": True}, timeout=30).raise_for_status()
+    wait_until(lambda: not pids & engram_workers(comfy_server), what="/free ending the engram workers")
+    history = comfy.run(graph)
+    assert similarity(history)["identical"] is False
+    new_pids = set(history["outputs"]["30"]["worker_pids"])
+    assert new_pids and not new_pids & pids
+    requests.post(comfy.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=30).raise_for_status()
+    wait_until(lambda: not engram_workers(comfy_server), what="/free (free_memory) ending every engram worker")
+
+
+def test_changed_or_removed_memory_node_ends_its_workers(comfy, comfy_server):
+    graph = memory_graph(new_memory(1039))
+    old = set(comfy.run(graph)["outputs"]["30"]["worker_pids"])
+    graph["30"]["inputs"]["rows_per_head"] = 1049  # the same node with other settings
+    new = set(comfy.run(graph)["outputs"]["30"]["worker_pids"])
+    assert new and not new & old
+    wait_until(lambda: not old & engram_workers(comfy_server), what="the replaced memory's workers ending")
+    version = requests.get(comfy.url + "/system_stats", timeout=30).json()["system"]["comfyui_version"]
+    comfy.run({"2": clip_node(), "40": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": "no memory here"}},
+               "41": {"class_type": "FP8Engram.ConditioningSimilarity", "inputs": {"a": ["40", 0], "b": ["40", 0], "first_row": 0, "rows": 0}}})
+    if version.startswith("0.3."):
+        # ComfyUI's classic cache drops the outputs of nodes that left the graph: the memory goes with them
+        wait_until(lambda: not new & engram_workers(comfy_server), what="the removed node's workers ending")
+    else:
+        # newer ComfyUI keeps old outputs until RAM pressure or "free model memory", the memory with them
+        requests.post(comfy.url + "/free", json={"unload_models": True}, timeout=30).raise_for_status()
+        wait_until(lambda: not new & engram_workers(comfy_server), what="/free ending the removed node's workers")
