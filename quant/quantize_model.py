@@ -90,8 +90,9 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     noise = 0.0
     for start in range(0, a.numel(), _SQNR_CHUNK):
         x = a[start:start + _SQNR_CHUNK].double()
-        signal += float(x.square().sum())
-        noise += float((x - b[start:start + _SQNR_CHUNK].double()).square().sum())
+        d = b[start:start + _SQNR_CHUNK].double().sub_(x)
+        signal += float(x.dot(x))
+        noise += float(d.dot(d))
     if noise == 0.0:
         return math.inf
     return 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
