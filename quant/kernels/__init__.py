@@ -70,12 +70,14 @@ def weight_only_linear(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
     """``x2d @ dequant(q).T + bias`` in x's dtype for a CUDA weight (the GPU weight-only path).
 
     method: "auto" (by token count, see FUSED_WEIGHT_ONLY_MAX_M), "fused" (the Triton GEMM;
-    per-tensor / per-row scales only), "dequant" (one-pass dequantize, then cuBLAS)."""
-    per_row_like = per_tensor or tuple(block) == (1, q.shape[1])
-    fused_ok = weight_only_gemm.supported(x2d, q) and per_row_like
+    per-tensor, per-row, and blocks whose columns are a multiple of 64), "dequant" (one-pass
+    dequantize, then cuBLAS)."""
+    gemm_block = None if per_tensor or tuple(block) == (1, q.shape[1]) else tuple(block)
+    fused_ok = weight_only_gemm.supported(x2d, q, gemm_block)
     if method == "auto":
         method = "fused" if fused_ok and x2d.shape[0] <= FUSED_WEIGHT_ONLY_MAX_M else "dequant"
     if method == "fused" and fused_ok:
-        return weight_only_gemm.weight_only_linear_triton(x2d, q, scale, bias, per_tensor)
+        return weight_only_gemm.weight_only_linear_triton(x2d, q, scale, bias, per_tensor,
+                                                          block=gemm_block)
     w = dequantize(q, scale, block, x2d.dtype, per_tensor)
     return torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))

@@ -3,9 +3,10 @@ the FP8 weight tile and converts it in registers (no dequantized copy of the wei
 beside its plain-torch twin (dequantize, then ``F.linear``).
 
 Per-tensor and per-row scales are constant along K, so they are applied once to the float32
-accumulator (``acc * scale[n]``) instead of to every weight element; the FP8 values themselves
-convert exactly into bf16/fp16, so the only roundings are the tensor-core accumulation and the
-final cast. Block layouts go through ``dequant`` + cuBLAS (see ``linear.py``).
+accumulator (``acc * scale[n]``) instead of to every weight element; block scales (R x C blocks,
+C a multiple of 64: DeepSeek 128x128, musubi 1x64) are applied per K step to that step's partial
+product, with the K step dividing C. The FP8 values themselves convert exactly into bf16/fp16, so
+the only roundings are the tensor-core accumulation and the final cast.
 
 Tile configurations: a small table keyed on M, or ``triton.autotune`` over a few Hopper-friendly
 configs keyed on the M bucket, N and K (``autotune=True``, the default on CUDA).
@@ -22,22 +23,28 @@ from .dequant import native_fp8
 __all__ = ["weight_only_linear_triton", "weight_only_linear_torch", "supported"]
 
 
-def supported(x2d: torch.Tensor, q: torch.Tensor) -> bool:
+BLOCK_COLS_MULTIPLE = 64  # block scales need column blocks that whole K steps fit in
+
+
+def supported(x2d: torch.Tensor, q: torch.Tensor, block=None) -> bool:
+    """Can the fused GEMM take this product? ``block``: None for per-tensor / per-row scales,
+    else the (rows, cols) of the weight's scale blocks."""
     return (HAS_TRITON and x2d.is_cuda and q.is_cuda and q.dim() == 2
-            and x2d.dtype in (torch.bfloat16, torch.float16))
+            and x2d.dtype in (torch.bfloat16, torch.float16)
+            and (block is None or block[1] % BLOCK_COLS_MULTIPLE == 0))
 
 
-def weight_only_linear_torch(x2d, q, scale, bias, per_tensor: bool):
+def weight_only_linear_torch(x2d, q, scale, bias, per_tensor: bool, block=None):
     from .dequant import dequantize_torch
 
-    w = dequantize_torch(q, scale, (1, q.shape[1]), x2d.dtype, per_tensor)
+    w = dequantize_torch(q, scale, block or (1, q.shape[1]), x2d.dtype, per_tensor)
     return F.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
 
 
 @jit
 def _wo_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
-                    sxm, sxk, swn, swk, sym, ssn,
-                    HAS_BIAS: tl.constexpr, PER_ROW: tl.constexpr, EVEN_K: tl.constexpr,
+                    sxm, sxk, swn, swk, sym, ssn, ssc, R, C,
+                    HAS_BIAS: tl.constexpr, SCALES: tl.constexpr, EVEN_K: tl.constexpr,
                     NATIVE: tl.constexpr, E5M2: tl.constexpr, UPCAST: tl.constexpr,
                     EXACT: tl.constexpr, M_BUCKET,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
@@ -74,16 +81,23 @@ def _wo_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
             bf = fp8_bits_to_f32(b, E5M2).to(a.dtype)
         if not EVEN_K:  # masked bytes are undefined (maybe NaN codes): zero them
             bf = tl.where(kmask[:, None], bf, tl.zeros_like(bf))
-        if UPCAST:  # the interpreter's dot is only right in float32
+        if SCALES == 2:  # block scales: this K step lies in one column block
+            if UPCAST:  # the interpreter's dot is only right in float32
+                part = tl.dot(a.to(tl.float32), bf.to(tl.float32))
+            else:
+                part = tl.dot(a, bf)
+            sb = tl.load(s_ptr + (offs_n // R) * ssn + (k0 // C) * ssc, mask=nmask, other=0.0)
+            acc += part * sb[None, :]
+        elif UPCAST:
             acc += tl.dot(a.to(tl.float32), bf.to(tl.float32))
         else:
             acc = tl.dot(a, bf, acc)
         x_ptrs += BK * sxk
         w_ptrs += BK * swk
-    if PER_ROW:
+    if SCALES == 1:  # per row
         s = tl.load(s_ptr + offs_n * ssn, mask=nmask, other=1.0)
         acc = acc * s[None, :]
-    else:
+    elif SCALES == 0:  # per tensor
         acc = acc * tl.load(s_ptr)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -113,7 +127,7 @@ _autotuned = None
 
 def _autotuned_kernel():
     """The kernel under ``triton.autotune``: a handful of tile shapes per M bucket, timed once
-    per (M bucket, N, K, dtype) on first use."""
+    per (M bucket, N, K, scale kind) on first use."""
     global _autotuned
     if _autotuned is None:
         shapes = [(64, 128, 128, 4, 4), (64, 256, 64, 8, 4), (128, 128, 64, 8, 4),
@@ -123,12 +137,15 @@ def _autotuned_kernel():
                    for a, b, c, w, s in shapes]
 
         def prune(configs, named_args, **kwargs):
-            # small M: skip tiles much taller than M (pure waste), keep at least one
-            m = named_args["M"]
-            kept = [c for c in configs if c.kwargs["BM"] <= max(32, triton.next_power_of_2(m))]
-            return kept or configs[:1]
+            # small M: skip tiles much taller than M (pure waste); block scales: K steps that
+            # divide the column block
+            m, c = named_args["M"], named_args["C"]
+            fit = [cf for cf in configs if c % cf.kwargs["BK"] == 0] or \
+                [triton.Config(dict(BM=64, BN=128, BK=64, GROUP_M=8), num_warps=4, num_stages=4)]
+            kept = [cf for cf in fit if cf.kwargs["BM"] <= max(32, triton.next_power_of_2(m))]
+            return kept or fit[:1]
 
-        _autotuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"],
+        _autotuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K", "C", "SCALES"],
                                      prune_configs_by={"early_config_prune": prune})(
             _wo_gemm_kernel)
     return _autotuned
@@ -140,24 +157,34 @@ def _m_bucket(m: int) -> int:
 
 def weight_only_linear_triton(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                               bias: torch.Tensor | None, per_tensor: bool,
-                              config: dict | None = None, autotune: bool | None = None):
+                              config: dict | None = None, autotune: bool | None = None,
+                              block=None):
     """``x2d [M, K] (bf16/fp16) @ (q [N, K] * scale).T (+ bias)`` -> [M, N] in x's dtype.
-    ``scale``: 0-d / 1-element (per tensor) or [N, 1] / [N] (per row), float32."""
+    ``scale``: 0-d / 1-element (per tensor), [N, 1] / [N] (per row), or with ``block=(R, C)``
+    the [ceil(N/R), ceil(K/C)] block scales (C a multiple of 64), float32."""
     m, k = x2d.shape
     n = q.shape[0]
     y = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     if m == 0 or n == 0:
         return y
-    s = scale.to(torch.float32).reshape(-1)
+    if block is not None and tuple(block) == (1, k):
+        block = None  # per-row scales written as blocks
+    if block is not None:
+        r, c = block
+        s = scale.to(torch.float32)
+        mode, ssn, ssc = 2, s.stride(0), s.stride(1)
+    else:
+        s = scale.to(torch.float32).reshape(-1)
+        r, c = 1, 1 << 20  # unused by these modes; every K step divides it
+        mode, ssn, ssc = (0, 0, 0) if per_tensor else (1, s.stride(0), 0)
     native = native_fp8(q.device)
     qin = q if native else q.view(torch.uint8)
     b = bias if bias is None or bias.dtype == x2d.dtype else bias.to(x2d.dtype)
     if autotune is None:
         autotune = config is None and not INTERPRET
     args = (x2d, qin, s, b if b is not None else s, y, m, n, k,
-            x2d.stride(0), x2d.stride(1), q.stride(0), q.stride(1), y.stride(0),
-            0 if per_tensor else s.stride(0))
-    flags = dict(HAS_BIAS=b is not None, PER_ROW=not per_tensor, NATIVE=native,
+            x2d.stride(0), x2d.stride(1), q.stride(0), q.stride(1), y.stride(0), ssn, ssc, r, c)
+    flags = dict(HAS_BIAS=b is not None, SCALES=mode, NATIVE=native,
                  E5M2=q.dtype == torch.float8_e5m2, UPCAST=INTERPRET, EXACT=INTERPRET,
                  M_BUCKET=_m_bucket(m))
     if autotune:
@@ -170,6 +197,8 @@ def weight_only_linear_triton(x2d: torch.Tensor, q: torch.Tensor, scale: torch.T
         kernel[grid](*args, EVEN_K=k % 128 == 0, **flags)
         return y
     cfg = dict(config or table_config(m))
+    while c % cfg["BK"]:
+        cfg["BK"] //= 2
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
     _wo_gemm_kernel[grid](*args, EVEN_K=k % cfg["BK"] == 0, **flags, **cfg)
     return y

@@ -168,3 +168,19 @@ def test_weight_only_gemm_on_a_strided_input_without_bias():
     y = weight_only_gemm.weight_only_linear_triton(x, qt.qdata, qt.scale, None, False,
                                                    config=GEMM_CFG)
     assert sqnr(F.linear(x.double(), qt.dequantize(torch.float64)), y) >= 48.0
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["fp8-types", "byte-decoding"])
+@pytest.mark.parametrize("layout", [Block(128, 128), Block(1, 64), Block(16, 64)], ids=str)
+@pytest.mark.parametrize("k", [256, 200])  # 200: a partial last block and a partial K step
+def test_weight_only_gemm_with_block_scales_is_accurate(layout, k, native, monkeypatch):
+    monkeypatch.setattr(weight_only_gemm, "native_fp8", lambda device: native)
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(144, k, generator=g) * torch.logspace(-3, 0, 144)[:, None]
+    qt = QuantizedTensor.from_float(w, layout)
+    x = torch.randn(9, k, generator=g).to(torch.bfloat16)
+    y = weight_only_gemm.weight_only_linear_triton(x, qt.qdata, qt.scale, None, False,
+                                                   config=dict(GEMM_CFG, BK=64),
+                                                   block=(layout.rows, layout.cols))
+    ref = F.linear(x.double(), qt.dequantize(torch.float64))
+    assert sqnr(ref, y) >= 48.0

@@ -74,7 +74,7 @@ def test_cuda_dequantize_gives_the_cpu_bits(layout, fp8):
 
 
 @needs_triton
-@pytest.mark.parametrize("layout", [PerTensor(), PerRow()], ids=str)
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow(), Block(128, 128), Block(1, 64)], ids=str)
 @pytest.mark.parametrize("m", [1, 77, 256, 1500])
 def test_cuda_weight_only_gemm_is_accurate(m, layout):
     g = torch.Generator().manual_seed(2)
@@ -83,12 +83,14 @@ def test_cuda_weight_only_gemm_is_accurate(m, layout):
     x = torch.randn(m, 768, generator=g).to(torch.bfloat16).cuda()
     b = torch.randn(1024, generator=g).to(torch.bfloat16).cuda()
     ref = F.linear(x.double(), qt.dequantize(torch.float64), b.double())
+    per_tensor = isinstance(layout, PerTensor)
+    block = (layout.rows, layout.cols) if isinstance(layout, Block) else (1, 768)
     for method in ("fused", "dequant", "auto"):
-        y = kernels.weight_only_linear(x, qt.qdata, qt.scale, (1, 768),
-                                       isinstance(layout, PerTensor), b, method)
+        y = kernels.weight_only_linear(x, qt.qdata, qt.scale, block, per_tensor, b, method)
         assert sqnr(ref, y) >= 45.0, method
-    y = weight_only_gemm.weight_only_linear_triton(x, qt.qdata, qt.scale, b,
-                                                   isinstance(layout, PerTensor), autotune=False)
+    y = weight_only_gemm.weight_only_linear_triton(
+        x, qt.qdata, qt.scale, b, per_tensor, autotune=False,
+        block=block if isinstance(layout, Block) else None)
     assert sqnr(ref, y) >= 45.0
 
 
