@@ -269,14 +269,15 @@ class LocalEngramBuffer:
                 self._zero_sf_row = layout.zero_sf_offset // layout.sf_row_bytes
 
     def _build_kernel_tables(self) -> None:
-        """Device tables of the one-pass kernel: shard base addresses, and per layer (rows, offsets)."""
+        """Device tables of the one-pass kernel: where each shard is (from this rank's own), and per layer (rows, offsets)."""
+        from .gather_triton import shard_table
+
         layout = self.layout
-        addresses = [p.data_ptr() for p in self._memory.peers]
-        if any(a % 16 for a in addresses):
-            raise RuntimeError(f"the one-pass gather needs 16-byte aligned shards, got addresses {[hex(a) for a in addresses]}")
-        self._bases = torch.tensor(addresses, dtype=torch.int64).to(self.device)
+        self._anchor = self._memory.local.view(torch.int32)
+        rel = shard_table([p.data_ptr() for p in self._memory.peers], self._anchor.data_ptr())
+        self._bases = torch.tensor(rel, dtype=torch.int64).to(self.device)
         sf_offsets = layout.sf_offsets if self.use_fp8 else (0,) * self.num_layers
-        meta = [[n, layout.table_offsets[l], sf_offsets[l]] for l, n in enumerate(self.num_entries_per_layer)]
+        meta = [[n, layout.table_offsets[l] // 4, sf_offsets[l] // 4] for l, n in enumerate(self.num_entries_per_layer)]
         self._meta = torch.tensor(meta, dtype=torch.int64).to(self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -300,9 +301,9 @@ class LocalEngramBuffer:
         sf_words = sf_out.view(torch.int32) if sf_out is not None else None
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
-                gather_rows(ids, self._bases, meta, words, sf_words, **kwargs)
+                gather_rows(ids, self._anchor, self._bases, meta, words, sf_words, **kwargs)
         else:
-            gather_rows(ids, self._bases, meta, words, sf_words, **kwargs)
+            gather_rows(ids, self._anchor, self._bases, meta, words, sf_words, **kwargs)
 
     def _check_alive(self) -> None:
         if self._memory is None:
@@ -322,7 +323,7 @@ class LocalEngramBuffer:
         self._tables = self._sfs = []
         self._peer_rows = self._peer_sf_rows = []
         self._all_rows = self._all_sfs = None
-        self._bases = self._meta = None
+        self._bases = self._meta = self._anchor = None
         if memory is not None:
             memory.release(between)
         elif between is not None:

@@ -47,7 +47,8 @@ if tl is not None:
     def engram_gather_rows(
         ids_ptr,
         ids_layer_stride,
-        bases_ptr,
+        anchor_ptr,
+        rel_ptr,
         meta_ptr,
         out_ptr,
         out_layer_stride,
@@ -71,17 +72,18 @@ if tl is not None:
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         in_range = r < num_rows
         g = tl.load(ids_ptr + layer * ids_layer_stride + r, mask=in_range, other=-1).to(tl.int64)
-        # meta[l] = (rows per rank, byte offset of the layer's table, byte offset of its scales)
+        # meta[l] = (rows per rank, word offset of the layer's table, word offset of its scales)
         n_l = tl.load(meta_ptr + layer * 3)
         table_offset = tl.load(meta_ptr + layer * 3 + 1)
         valid = in_range & (g >= 0) & (g < n_l * num_ranks)
         safe = tl.where(valid, g, 0)
         rank = safe // n_l
         local = safe - rank * n_l
-        base = tl.load(bases_ptr + rank, mask=valid, other=0)
-        # Rows are ROW_WORDS * 4 bytes (a multiple of 64) at 64-byte aligned offsets of each shard.
-        src_addr = tl.multiple_of(base + table_offset + local * (ROW_WORDS * 4), 16)
-        src = src_addr.to(tl.pointer_type(tl.int32))
+        # Shard of `rank` = anchor + rel[rank] words (plain address arithmetic: the shards are separate
+        # mappings, the anchor is one of them). Addresses are 16-byte aligned and rows are multiples of
+        # 16 words, so every row starts 16-byte aligned: said to the compiler for 128-bit accesses.
+        rel = tl.load(rel_ptr + rank, mask=valid, other=0)
+        src = anchor_ptr + tl.multiple_of(rel + table_offset + local * ROW_WORDS, 4)
         dst = out_ptr + layer * out_layer_stride + r * ROW_WORDS
         load_mask = valid[:, None]
         store_mask = in_range[:, None]
@@ -98,7 +100,10 @@ if tl is not None:
             sf_offset = tl.load(meta_ptr + layer * 3 + 2)
             packs = tl.arange(0, BLOCK_P)
             pack_ok = (packs < SF_WORDS)[None, :]
-            sf_src = (base + sf_offset + local * (SF_WORDS * 4)).to(tl.pointer_type(tl.int32))
+            sf_word = rel + sf_offset + local * SF_WORDS
+            if SF_WORDS % 4 == 0:
+                sf_word = tl.multiple_of(sf_word, 4)
+            sf_src = anchor_ptr + sf_word
             sf = tl.load(sf_src[:, None] + packs[None, :], mask=load_mask & pack_ok, other=0)
             # Requested row r is (token t, entry e) = divmod(r, entries); its packs are columns
             # e * SF_WORDS + p of token t in the [tokens, entries * SF_WORDS] scale view.
@@ -139,9 +144,18 @@ def block_sizes(row_words: int, sf_words: int) -> tuple[int, int, int]:
     return block_r, block_c, _next_pow2(max(1, sf_words))
 
 
+def shard_table(addresses: list[int], anchor_address: int) -> list[int]:
+    """`rel` for `gather_rows`: each shard address minus the anchor's, in 4-byte words (all 16-byte aligned)."""
+    bad = [hex(a) for a in [*addresses, anchor_address] if a % 16]
+    if bad:
+        raise ValueError(f"the one-pass gather needs 16-byte aligned shards, got addresses {bad}")
+    return [(a - anchor_address) // 4 for a in addresses]
+
+
 def gather_rows(
     ids: torch.Tensor,
-    bases: torch.Tensor,
+    anchor: torch.Tensor,
+    rel: torch.Tensor,
     meta: torch.Tensor,
     out: torch.Tensor,
     sf_out: torch.Tensor | None,
@@ -158,9 +172,10 @@ def gather_rows(
     """Launch the gather over `layers = ids.shape[0]` layers.
 
     * `ids`: int32/int64 `[layers, rows]` contiguous, global row ids of each layer.
-    * `bases`: int64 `[num_ranks]` shard base addresses (as mapped in this process), on `out.device`;
-      16-byte aligned, with every row at a 16-byte aligned offset (the kernel tells the compiler so).
-    * `meta`: int64 `[layers, 3]` contiguous: rows per rank, table byte offset, scale byte offset.
+    * `anchor`: an int32 tensor whose data pointer is the origin of `rel` (one of the shards).
+    * `rel`: int64 `[num_ranks]`, on `out.device`: each shard's base address (as mapped in this process)
+      minus the anchor's, in 4-byte words. See `shard_table`. Shards must be 16-byte aligned.
+    * `meta`: int64 `[layers, 3]` contiguous: rows per rank, table word offset, scale word offset.
     * `out`: int32 `[layers, rows, row_words]` contiguous (row `i` of layer `l` gets id `ids[l, i]`).
     * `sf_out`: int32 tensor whose storage holds the scale layout (only its data pointer is used):
       pack `p` of requested row `i = t * entries + e` of layer `l` goes to element
@@ -172,8 +187,8 @@ def gather_rows(
         return
     if out.dtype != torch.int32 or not out.is_contiguous() or out.numel() != layers * rows * row_words:
         raise ValueError(f"out must be a contiguous int32 [{layers}, {rows}, {row_words}] tensor, got {out.dtype} {tuple(out.shape)}")
-    if not ids.is_contiguous() or meta.dtype != torch.int64 or bases.dtype != torch.int64 or tuple(meta.shape) != (layers, 3):
-        raise ValueError("ids must be contiguous, bases int64 [ranks] and meta int64 [layers, 3]")
+    if not ids.is_contiguous() or meta.dtype != torch.int64 or rel.dtype != torch.int64 or tuple(meta.shape) != (layers, 3) or anchor.dtype != torch.int32:
+        raise ValueError("ids must be contiguous, anchor an int32 tensor, rel int64 [ranks] and meta int64 [layers, 3]")
     has_sf = sf_out is not None
     if has_sf and sf_out.dtype != torch.int32:
         raise ValueError(f"sf_out must be an int32 view, got {sf_out.dtype}")
@@ -189,7 +204,8 @@ def gather_rows(
     kernel[grid](
         ids,
         ids.stride(0),
-        bases,
+        anchor,
+        rel,
         meta,
         out,
         rows * row_words,

@@ -1,9 +1,10 @@
 """The one-pass engram gather kernel (engram/gather_triton.py) against an independent gather.
 
 Shards of several "ranks" are separate tensors laid out as LocalEngramBuffer lays them out (ShardLayout),
-filled with random bytes; the kernel gets a table of their base addresses, exactly as on the GPU. On the
-CPU it runs in Triton's interpreter, which dereferences those raw addresses, so the indexing code that
-runs on the GPU (owner = id // rows, local = id % rows, pointer from the table, scale-factor strides) is
+filled with random bytes; the kernel gets a table of where each lies relative to one of them (the
+anchor), exactly as on the GPU. On the CPU it runs in Triton's interpreter, which follows those raw
+addresses, so the indexing code that runs on the GPU (owner = id // rows, local = id % rows, shard from
+the table, scale-factor strides) is
 checked here bit for bit: rows, scale factors in both layouts, zeros for invalid ids, nothing written
 outside the output. One case also runs under TRITON_INTERPRET=1 in a fresh process (Triton's own switch),
 and the same cases run compiled on a CUDA GPU when there is one. The single-rank LocalEngramBuffer with
@@ -39,10 +40,12 @@ def _make_shards(hidden: int, fp8: bool, device: str, seed: int):
     g = torch.Generator().manual_seed(seed)
     # Separate allocations (not one range): the kernel must follow the table, not a stride.
     shards = [torch.randint(0, 256, (layout.num_bytes,), generator=g, dtype=torch.uint8).to(device) for _ in range(RANKS)]
-    bases = torch.tensor([s.data_ptr() for s in shards], dtype=torch.int64, device=device)
+    # The anchor is the middle shard: the others lie before or after it (negative and positive offsets).
+    anchor = shards[1].view(torch.int32)
+    rel = torch.tensor(gather_triton.shard_table([s.data_ptr() for s in shards], anchor.data_ptr()), dtype=torch.int64, device=device)
     sf_offsets = layout.sf_offsets if fp8 else (0,) * len(ROWS)
-    meta = torch.tensor([[n, layout.table_offsets[l], sf_offsets[l]] for l, n in enumerate(ROWS)], dtype=torch.int64, device=device)
-    return layout, packs, shards, bases, meta
+    meta = torch.tensor([[n, layout.table_offsets[l] // 4, sf_offsets[l] // 4] for l, n in enumerate(ROWS)], dtype=torch.int64, device=device)
+    return layout, packs, shards, (anchor, rel), meta
 
 
 def _expected(layout: ShardLayout, packs: int, shards: list, ids: torch.Tensor):
@@ -75,7 +78,7 @@ def _ids(tokens: int, seed: int, dtype=torch.int32) -> torch.Tensor:
 
 
 def check_kernel(device: str, hidden: int, fp8: bool, tokens: int, tma: bool, seed: int) -> None:
-    layout, packs, shards, bases, meta = _make_shards(hidden, fp8, device, seed)
+    layout, packs, shards, (anchor, rel), meta = _make_shards(hidden, fp8, device, seed)
     ids = _ids(tokens, seed + 1)
     layers, k = ids.shape
     out = torch.full((layers, k, layout.row_bytes // 4), SENTINEL, dtype=torch.int32, device=device)
@@ -91,7 +94,7 @@ def check_kernel(device: str, hidden: int, fp8: bool, tokens: int, tma: bool, se
         sf_out = backing[1:]
         sf_kwargs = dict(sf_layer_stride=layer_stride, sf_stride_t=strides[0], sf_stride_j=strides[1])
     gather_triton.gather_rows(
-        ids.to(device), bases, meta, out, sf_out, num_ranks=RANKS, row_words=layout.row_bytes // 4, sf_words=packs, entries=ENTRIES, **sf_kwargs
+        ids.to(device), anchor, rel, meta, out, sf_out, num_ranks=RANKS, row_words=layout.row_bytes // 4, sf_words=packs, entries=ENTRIES, **sf_kwargs
     )
     want_rows, want_sfs = _expected(layout, packs, shards, ids)
     assert torch.equal(out.cpu().view(torch.uint8).view(layers, k, -1), want_rows), f"rows differ (hidden {hidden}, fp8 {fp8}, tokens {tokens})"
@@ -114,12 +117,12 @@ def test_kernel_matches_independent_gather_in_the_interpreter(hidden, fp8, token
 
 def test_kernel_reads_int64_ids_for_row_reads():
     """read_global_rows passes int64 ids, one layer, row-major scales with one entry per token."""
-    layout, packs, shards, bases, meta = _make_shards(512, True, "cpu", seed=3)
+    layout, packs, shards, (anchor, rel), meta = _make_shards(512, True, "cpu", seed=3)
     ids = _ids(4, seed=4, dtype=torch.int64)[1:2].clamp(min=0, max=RANKS * ROWS[1] - 1)
     k = ids.shape[1]
     out = torch.empty((1, k, layout.row_bytes // 4), dtype=torch.int32)
     sf = torch.empty((k, packs), dtype=torch.int32)
-    gather_triton.gather_rows(ids, bases, meta[1:2], out, sf, num_ranks=RANKS, row_words=layout.row_bytes // 4, sf_words=packs, entries=1, sf_layer_stride=0, sf_stride_t=packs, sf_stride_j=1)
+    gather_triton.gather_rows(ids, anchor, rel, meta[1:2], out, sf, num_ranks=RANKS, row_words=layout.row_bytes // 4, sf_words=packs, entries=1, sf_layer_stride=0, sf_stride_t=packs, sf_stride_j=1)
     want_rows, want_sfs = _expected(layout, packs, shards, torch.cat([torch.full_like(ids, -1), ids]))
     assert torch.equal(out.view(torch.uint8).view(k, -1), want_rows[1]) and torch.equal(sf, want_sfs[1])
 
@@ -138,6 +141,44 @@ def test_kernel_under_triton_interpret_env():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "checked" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def _compile_for_hopper(row_words: int, sf_words: int):
+    """Compile the kernel ahead of time for sm_90 (no GPU needed: Triton's own LLVM and ptxas) as fetch launches it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = gather_triton._compiled()
+    if not isinstance(fn, triton.runtime.JITFunction):
+        pytest.skip("TRITON_INTERPRET=1 is set in this process: nothing is compiled")
+    block_r, block_c, block_p = gather_triton.block_sizes(row_words, sf_words)
+    names = ["ids_ptr", "ids_layer_stride", "anchor_ptr", "rel_ptr", "meta_ptr", "out_ptr", "out_layer_stride", "sf_out_ptr", "sf_layer_stride", "sf_stride_t", "sf_stride_j", "num_rows", "num_ranks", "entries"]
+    types = ["*i32", "i32", "*i32", "*i64", "*i64", "*i32", "i64", "*i32", "i32", "i32", "i32", "i32", "i32", "i32"]
+    constants = dict(ROW_WORDS=row_words, SF_WORDS=max(1, sf_words), BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p, HAS_SF=sf_words > 0, EVEN_C=row_words % block_c == 0)
+    signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
+    # What Triton infers at launch for 4096 tokens x 16 entries: tensors and these sizes divisible by 16.
+    aligned = [names.index(n) for n in ("ids_ptr", "ids_layer_stride", "anchor_ptr", "rel_ptr", "meta_ptr", "out_ptr", "out_layer_stride", "sf_out_ptr", "num_rows")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    try:
+        return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    except (RuntimeError, FileNotFoundError) as e:
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"needs Triton's CUDA toolchain (ptxas): {e}")
+        raise
+
+
+@pytest.mark.parametrize("hidden,fp8", [(1024, False), (7168, True)], ids=["h1024-bf16", "h7168-fp8"])
+def test_kernel_compiles_for_hopper_with_128_bit_row_accesses(hidden, fp8):
+    """The compiled gather moves rows in 16-byte loads and stores (the bandwidth floor needs them)."""
+    row_words = hidden * (1 if fp8 else 2) // 4
+    kernel = _compile_for_hopper(row_words, hidden // 128 if fp8 else 0)
+    ptx = kernel.asm["ptx"]
+    _, block_c, _ = gather_triton.block_sizes(row_words, 0)
+    steps = -(-row_words // block_c)
+    per_thread = gather_triton._TILE_WORDS // (8 * 32)  # words per thread and step
+    want = steps * per_thread // 4
+    assert ptx.count("ld.global.v4.b32") >= want, f"{ptx.count('ld.global.v4.b32')} 128-bit loads, expected {want}: rows are read in narrower pieces"
+    assert ptx.count("st.global.v4.b32") >= want, f"{ptx.count('st.global.v4.b32')} 128-bit stores, expected {want}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
