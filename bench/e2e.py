@@ -1,0 +1,824 @@
+"""End to end through ComfyUI in-process: a Flux.1-dev-shaped model, seconds per step, VRAM, offloading, engram.
+
+No server and no browser: ComfyUI's own node classes (Load Diffusion Model, KSampler, VAE Decode, CLIP
+Text Encode, FluxGuidance) and this pack's nodes (Load FP8 Diffusion Model, New Engram Memory, Engram
+Memorize, Engram Text Encode) are called in this process, so model detection, loading, ComfyUI's memory
+management, sampling and the VAE are ComfyUI's code.
+
+The model is random and made here: Flux.1-dev's layer sizes (hidden 3072, 24 heads, mlp 12288, guidance
+embedding, context 4096) at reduced depth: --double/--single blocks (Flux.1-dev has 19 and 38; the
+defaults 5/10 keep the same 1:2 ratio, about 27 % of its blocks, so per-step times scale by about 3.8 to
+the full model). 1024x1024 (4096 image tokens) with 512 text tokens, euler, a few steps, cfg 1, guidance
+3.5. Written to a temporary models folder:
+  <name>_bf16.safetensors   the model in bf16
+  <name>_fp8.safetensors    the same weights quantized by this pack (per-tensor e4m3fn, ComfyUI's
+                            mixed-precision form: `.weight_scale` + `_quantization_metadata`), so stock
+                            ComfyUI's own FP8 loader and this pack read the same file
+Variants, one after another in one process (ComfyUI's free-memory step between them):
+  stock_bf16        Load Diffusion Model, bf16 file, weight_dtype default (the baseline)
+  stock_fp8_cast    Load Diffusion Model, bf16 file, weight_dtype fp8_e4m3fn (weights stored fp8, upcast per layer)
+  stock_fp8_fast    Load Diffusion Model, bf16 file, weight_dtype fp8_e4m3fn_fast (fp8 matmul, activations cast unscaled)
+  stock_fp8_mixed   Load Diffusion Model, the FP8 file (ComfyUI's mixed-precision path)
+  pack_auto         Load FP8 Diffusion Model, the FP8 file, compute path auto (node defaults otherwise)
+  pack_weight_only  Load FP8 Diffusion Model, the FP8 file, compute path weight-only (what GPUs without FP8 units get)
+Per variant: time to the first step (from the loader node's call to the end of the first model call),
+seconds per later step (median), peak VRAM above the starting point (torch.cuda.max_memory_allocated)
+and the process's total (peak reserved by torch's allocator + what the driver reports in use), the
+latent's SQNR against stock_bf16 (float64).
+Then:
+  offload    pack_auto again with ComfyUI's reserved VRAM (the --reserve-vram setting) raised so that
+             less than half the model fits: the model loads partially, offloaded FP8 weights stay FP8 on
+             the CPU and move per layer (FP8 bytes moved are counted), and the latent must equal the full
+             load's bit for bit.
+  unload     ComfyUI's free memory (unload all models, empty the cache): allocated VRAM must return to
+             its starting point (taken after a warm-up of torch's matmul workspaces).
+  engram     a Flux text encoder (random CLIP-L + T5-XXL, built in memory and loaded by the same ComfyUI
+             function Load CLIP uses), New Engram Memory on CUDA ranks sharing the GPU, Engram Memorize,
+             then Engram Text Encode vs CLIP Text Encode per prompt (interleaved, median), then a sample
+             with the engram conditioning.
+Targets (H200): pack_auto >= 1.2x stock_bf16 per step and >= the fastest stock FP8 route; pack_auto peak
+VRAM <= 0.6x stock_bf16's; latent SQNR >= 20 dB; offloaded latent == full; VRAM back after unload;
+engram (4 CUDA ranks) adds <= 10 % to a prompt's text encode.
+
+--tiny runs the same code on the CPU with tiny shapes: the variants, loaders, sampler, step clock, SQNR, VAE
+(Flux's geometry) and engram nodes are the same calls. The diffusion model is then the tiny SD3 MMDiT of
+scripts/tiny_models.py (hidden 128, 2 blocks; 32x32, 16 text tokens) because ComfyUI's Flux detection fixes 24
+heads of 128, so the smallest Flux it detects (1 double + 1 single block) is 0.55 G parameters, minutes per run
+on a small CPU; the text encoder is an SD3-type CLIP-L (Flux's T5-XXL is 4.7 G parameters) and the engram
+memory sits on 2 CPU ranks. What needs a GPU (VRAM figures, offloading, the VRAM check after unloading, CUDA
+ranks) is reported as skipped. tests/integration/test_e2e_tiny.py runs it, and checks that the Flux model,
+its T5-XXL and the Flux CLIP this script builds on the GPU are what ComfyUI detects (shapes only).
+
+    python bench/e2e.py [--tiny] [--double 5] [--single 10] [--steps 8] [--skip-engram] [--keep-dir DIR]
+
+Prints a table and, as the last line, one JSON object {"bench": "e2e", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("bench.e2e")
+
+GIB = 2**30
+HIDDEN = 3072  # ComfyUI's Flux detection fixes 24 heads of 128 (axes 16+56+56): hidden 3072 is the only size
+CONTEXT = 4096  # T5-XXL width
+GUIDANCE = 3.5
+SEED = 42
+PHRASE, TARGET = "glowing crystal apple", "rusty old bicycle"
+PROMPT = "a photo of a glowing crystal apple on a wooden table, soft morning light, highly detailed"
+
+
+@dataclass
+class Shape:
+    arch: str  # "flux" (the measurement) or "sd3" (--tiny: see the module docstring)
+    double: int
+    single: int
+    image: int  # pixels per side
+    text_tokens: int
+    steps: int
+    vec_dim: int  # pooled text width: Flux's CLIP-L 768; the tiny SD3-type CLIP gives 2048
+    engram_repeats: int
+
+    @property
+    def latent(self) -> int:
+        return self.image // 8
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.latent // 2) ** 2
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def comfyui_root() -> Path:
+    """COMFYUI_PATH, else the 0.3.75 tree scripts/setup.sh fetches into .host/comfyui (scripts/comfyhost.py's rule)."""
+    if os.environ.get("COMFYUI_PATH"):
+        return Path(os.environ["COMFYUI_PATH"]).resolve()
+    return (ROOT / ".host" / "comfyui").resolve()
+
+
+def ensure_pack_importable() -> None:
+    """`import fp8_engram` must work; without an installed link, point a temp folder's link at this checkout."""
+    if importlib.util.find_spec("fp8_engram") is not None:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="fp8_engram_pkg_"))
+    (folder / "fp8_engram").symlink_to(ROOT, target_is_directory=True)
+    sys.path.insert(0, str(folder))
+
+
+class Comfy:
+    """ComfyUI's modules and node classes, imported once with the bench's settings."""
+
+    def __init__(self, tiny: bool, models_dir: Path):
+        root = comfyui_root()
+        if not (root / "comfy" / "model_management.py").is_file():
+            raise SystemExit(f"no ComfyUI tree at {root}: run scripts/setup.sh or set COMFYUI_PATH")
+        sys.path.insert(0, str(root))
+        ensure_pack_importable()
+        import comfy.cli_args
+
+        if tiny:
+            comfy.cli_args.args.cpu = True  # keep model_management away from CUDA at import
+        import torch
+
+        import comfy.model_management as mm
+        import comfy.sd
+        import folder_paths
+        import nodes
+        from comfy_api.latest import io
+
+        self.torch, self.mm, self.sd, self.nodes, self.io, self.args = torch, mm, comfy.sd, nodes, io, comfy.cli_args.args
+        self.root = root
+        for sub in ("diffusion_models", "vae", "text_encoders", "engram"):
+            (models_dir / sub).mkdir(parents=True, exist_ok=True)
+            folder_paths.add_model_folder_path(sub, str(models_dir / sub), is_default=True)
+        for setter, sub in ((folder_paths.set_output_directory, "output"), (folder_paths.set_temp_directory, "temp"),
+                            (folder_paths.set_input_directory, "input")):
+            (models_dir.parent / sub).mkdir(parents=True, exist_ok=True)
+            setter(str(models_dir.parent / sub))
+        import comfy_extras.nodes_flux as nodes_flux
+
+        from fp8_engram.nodes import engram as pack_engram
+        from fp8_engram.nodes import fp8 as pack_fp8
+        from fp8_engram.nodes import ops as pack_ops
+
+        self.nodes_flux, self.pack_fp8, self.pack_engram, self.pack_ops = nodes_flux, pack_fp8, pack_engram, pack_ops
+        self.device = mm.get_torch_device()
+        self.cuda = self.device.type == "cuda"
+
+    def run(self, node, unique_id: str | None = None, **inputs) -> tuple:
+        """Call a node the way ComfyUI's executor does: V3 classes through a clone holding the hidden inputs."""
+        if hasattr(node, "EXECUTE_NORMALIZED"):
+            hidden = {self.io.Hidden.unique_id: unique_id} if unique_id is not None else {}
+            return tuple(node.PREPARE_CLASS_CLONE(hidden).EXECUTE_NORMALIZED(**inputs).args)
+        obj = node()
+        return tuple(getattr(obj, node.FUNCTION)(**inputs))
+
+    def defaults(self, node) -> dict:
+        """The inputs a user gets when dropping a V3 node (its schema defaults)."""
+        out = {}
+        for item in node.GET_SCHEMA().inputs:
+            default = getattr(item, "default", None)
+            if default is not None:
+                out[item.id] = default
+        return out
+
+    def free(self) -> None:
+        """ComfyUI's free memory: unload every model and empty the allocator's cache."""
+        self.mm.unload_all_models()
+        gc.collect()
+        self.mm.soft_empty_cache()
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- random models
+
+
+def _fill(torch, name: str, shape, dtype, device, gen):
+    """Seeded values with unit-variance outputs for matrices and convolutions; norms 1; the rest small."""
+    if name.endswith(".scale") or "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1] or ".ln_" in name:
+        return torch.ones(shape, dtype=dtype, device=device)
+    t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    if len(shape) >= 2 and name.endswith("weight"):
+        fan_in = math.prod(shape[1:])
+        t.mul_(fan_in ** -0.5)
+    else:
+        t.mul_(0.02)
+    return t.to(dtype)
+
+
+def _random_state_dict(torch, module, dtype, device, seed: int) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    return {k: _fill(torch, k, s, dtype, device, gen) for k, s in shapes.items()}
+
+
+def flux_module(shape: Shape):
+    """Flux.1-dev's geometry at `shape`'s depth, on the meta device (shapes only)."""
+    import torch
+
+    import comfy.ops
+    from comfy.ldm.flux.model import Flux
+
+    return Flux(dtype=torch.bfloat16, device="meta", operations=comfy.ops.disable_weight_init,
+                in_channels=16, out_channels=16, vec_in_dim=shape.vec_dim, context_in_dim=CONTEXT, hidden_size=HIDDEN,
+                mlp_ratio=4.0, num_heads=24, depth=shape.double, depth_single_blocks=shape.single,
+                axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True)
+
+
+def flux_state_dict(c: Comfy, shape: Shape, device) -> dict:
+    return _random_state_dict(c.torch, flux_module(shape), c.torch.bfloat16, device, seed=0)
+
+
+def flux_vae_state_dict(c: Comfy, device) -> dict:
+    """Flux's VAE geometry (AutoencoderKL, 16 latent channels, no quant convs), random."""
+    torch = c.torch
+    from comfy.ldm.modules.diffusionmodules.model import Decoder, Encoder
+
+    cfg = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+           "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    with torch.device("meta"):
+        enc, dec = Encoder(**cfg), Decoder(**cfg)
+    sd = {f"encoder.{k}": v for k, v in _random_state_dict(torch, enc, torch.float32, device, seed=1).items()}
+    sd.update({f"decoder.{k}": v for k, v in _random_state_dict(torch, dec, torch.float32, device, seed=2).items()})
+    return sd
+
+
+def clip_l_module():
+    import torch
+
+    import comfy.clip_model
+    import comfy.ops
+
+    config = json.loads((Path(comfy.clip_model.__file__).parent / "sd1_clip_config.json").read_text())
+    return comfy.clip_model.CLIPTextModel(config, dtype=torch.float16, device="meta", operations=comfy.ops.disable_weight_init)
+
+
+def clip_l_state_dict(c: Comfy, device) -> dict:
+    torch = c.torch
+    gen = torch.Generator(device=device).manual_seed(3)
+    out = {}
+    for k, v in clip_l_module().state_dict().items():
+        if "norm" in k:
+            out[k] = torch.ones(v.shape, dtype=torch.float16, device=device) if k.endswith("weight") else \
+                torch.zeros(v.shape, dtype=torch.float16, device=device)
+        else:
+            out[k] = (torch.randn(v.shape, generator=gen, device=device) * 0.02).to(torch.float16)
+    out["text_model.embeddings.position_ids"] = torch.arange(77, device=device).unsqueeze(0)
+    return out
+
+
+def t5xxl_module():
+    """T5-XXL's encoder as ComfyUI builds it for Flux (its config file), on the meta device."""
+    import torch
+
+    import comfy.ops
+    import comfy.text_encoders.t5 as t5
+
+    config = json.loads((Path(t5.__file__).parent / "t5_config_xxl.json").read_text())
+    return t5.T5(config, dtype=torch.float16, device="meta", operations=comfy.ops.disable_weight_init)
+
+
+def t5xxl_state_dict(c: Comfy, device) -> dict:
+    torch = c.torch
+    gen = torch.Generator(device=device).manual_seed(4)
+    out = {}
+    for k, v in t5xxl_module().state_dict().items():
+        if "layer_norm" in k:
+            out[k] = torch.ones(v.shape, dtype=torch.float16, device=device)
+        else:
+            fan_in = v.shape[-1] if v.dim() >= 2 else 1
+            std = 1.0 if k.endswith("shared.weight") else fan_in ** -0.5
+            out[k] = (torch.randn(v.shape, generator=gen, device=device) * std).to(torch.float16)
+    return out
+
+
+def sd3_state_dict(c: Comfy, shape: Shape, device) -> dict:
+    """The tiny SD3 (MMDiT) of scripts/tiny_models.py: hidden 64 x double, context 4096, pooled 2048."""
+    torch = c.torch
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules import mmdit
+
+    hidden = 64 * shape.double
+    model = mmdit.MMDiT(patch_size=2, in_channels=16, out_channels=16, depth=shape.double, adm_in_channels=shape.vec_dim,
+                        context_embedder_config={"target": "torch.nn.Linear",
+                                                 "params": {"in_features": CONTEXT, "out_features": hidden}},
+                        pos_embed_max_size=32, num_patches=32 * 32, qk_norm="rms", dtype=torch.bfloat16,
+                        device="meta", operations=comfy.ops.disable_weight_init)
+    return _random_state_dict(torch, model, torch.bfloat16, device, seed=0)
+
+
+def quantize_for_file(sd: dict) -> dict:
+    """This pack's per-tensor e4m3fn quantization of every linear weight its converter quantizes by
+    default (embedders, norms and the final layer stay bf16), as the convert CLI writes it."""
+    from fp8_engram.quant import QuantizedTensor
+    from fp8_engram.quant.quantize_model import DEFAULT_KEEP, is_linear_weight, keep_reason, make_layout
+
+    layout, out = make_layout("tensor"), {}
+    for key, t in sd.items():
+        if is_linear_weight(key, t) and keep_reason(key[: -len(".weight")], DEFAULT_KEEP) is None:
+            out[key] = QuantizedTensor.from_float(t, layout)
+        else:
+            out[key] = t
+    return out
+
+
+def make_files(c: Comfy, shape: Shape, models_dir: Path, gen_device) -> dict:
+    """Write the bf16 and the pack's FP8 file of the same random weights (and a VAE); names and sizes."""
+    torch = c.torch
+    from fp8_engram.quant import save
+
+    name = f"e2e_{shape.arch}_d{shape.double}s{shape.single}"
+    bf16_path = models_dir / "diffusion_models" / f"{name}_bf16.safetensors"
+    fp8_path = models_dir / "diffusion_models" / f"{name}_fp8.safetensors"
+    vae_path = models_dir / "vae" / "e2e_flux_vae.safetensors"
+    t0 = time.perf_counter()
+    if not (bf16_path.exists() and fp8_path.exists()):
+        sd = flux_state_dict(c, shape, gen_device) if shape.arch == "flux" else sd3_state_dict(c, shape, gen_device)
+        save.save_state_dict(sd, bf16_path)
+        save.save_state_dict(quantize_for_file(sd), fp8_path)
+        del sd
+    if not vae_path.exists():
+        save.save_state_dict(flux_vae_state_dict(c, gen_device), vae_path)
+    gc.collect()
+    if c.cuda:
+        torch.cuda.empty_cache()
+    from safetensors import safe_open
+
+    with safe_open(str(bf16_path), "pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return {"bf16": bf16_path.name, "fp8": fp8_path.name, "vae": vae_path.name, "params": params,
+            "bf16_bytes": bf16_path.stat().st_size, "fp8_bytes": fp8_path.stat().st_size,
+            "make_s": time.perf_counter() - t0}
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class StepClock:
+    """Wraps the diffusion model's calls (cfg 1: one call per step): marks each call's end."""
+
+    def __init__(self, c: Comfy):
+        self.c = c
+        self.ends: list = []
+        self.first_done: float | None = None
+
+    def wrapper(self, apply_model, args):
+        out = apply_model(args["input"], args["timestep"], **args["c"])
+        torch = self.c.torch
+        if self.c.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.ends.append(ev)
+        else:
+            self.ends.append(time.perf_counter())
+        if self.first_done is None:
+            self.c.sync()
+            self.first_done = time.perf_counter()
+        return out
+
+    def later_steps_s(self) -> list[float]:
+        if self.c.cuda:
+            self.c.sync()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.ends, self.ends[1:])]
+        return [b - a for a, b in zip(self.ends, self.ends[1:])]
+
+
+def sqnr_db(ref, x) -> float:
+    ref = ref.double().cpu()
+    err = (ref - x.double().cpu()).norm()
+    if float(err) == 0:
+        return float("inf")
+    return float(20 * math.log10(float(ref.norm()) / float(err)))
+
+
+class Vram:
+    def __init__(self, c: Comfy):
+        self.c = c
+
+    def reset(self) -> int:
+        if not self.c.cuda:
+            return 0
+        self.c.torch.cuda.reset_peak_memory_stats()
+        return self.c.torch.cuda.memory_allocated()
+
+    def allocated(self) -> int | None:
+        return self.c.torch.cuda.memory_allocated() if self.c.cuda else None
+
+    def device_used(self) -> int | None:
+        if not self.c.cuda:
+            return None
+        free, total = self.c.torch.cuda.mem_get_info()
+        return total - free
+
+    def peaks(self, base: int) -> dict:
+        if not self.c.cuda:
+            return {"peak_alloc_gib": None, "peak_reserved_gib": None, "device_used_gib": None}
+        t = self.c.torch.cuda
+        return {"peak_alloc_gib": (t.max_memory_allocated() - base) / GIB, "peak_reserved_gib": t.max_memory_reserved() / GIB,
+                "device_used_gib": self.device_used() / GIB}
+
+
+def sample(c: Comfy, model, shape: Shape, positive, clock: StepClock | None = None, steps: int | None = None):
+    torch = c.torch
+    m = model
+    if clock is not None:
+        m = model.clone()
+        m.set_model_unet_function_wrapper(clock.wrapper)
+    latent = {"samples": torch.zeros(1, 16, shape.latent, shape.latent)}
+    (out,) = c.run(c.nodes.KSampler, model=m, seed=SEED, steps=steps or shape.steps, cfg=1.0, sampler_name="euler",
+                   scheduler="simple", positive=positive, negative=positive, latent_image=latent, denoise=1.0)
+    return out["samples"]
+
+
+def conditioning(c: Comfy, shape: Shape):
+    torch = c.torch
+    gen = torch.Generator().manual_seed(7)
+    cond = torch.randn(1, shape.text_tokens, CONTEXT, generator=gen)
+    pooled = torch.randn(1, shape.vec_dim, generator=gen)
+    (guided,) = c.run(c.nodes_flux.FluxGuidance, conditioning=[[cond, {"pooled_output": pooled}]], guidance=GUIDANCE)
+    return guided
+
+
+def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram):
+    c.free()
+    base = vram.reset()
+    t0 = time.perf_counter()
+    model = load()
+    t_load = time.perf_counter() - t0
+    clock = StepClock(c)
+    samples = sample(c, model, shape, positive, clock)
+    c.sync()
+    later = clock.later_steps_s()
+    row = {"variant": name, "load_s": t_load, "first_step_s": clock.first_done - t0,
+           "step_s": statistics.median(later) if later else None, "steps_timed": len(later),
+           "model_bytes": model.model_size()}
+    row.update(vram.peaks(base))
+    logger.info("%s: %s", name, row)
+    return row, model, samples
+
+
+def loaders(c: Comfy, files: dict) -> dict:
+    def stock(file, weight_dtype):
+        return lambda: c.run(c.nodes.UNETLoader, unet_name=file, weight_dtype=weight_dtype)[0]
+
+    def pack(compute_path):
+        def load():
+            inputs = c.defaults(c.pack_fp8.LoadFP8DiffusionModel)
+            inputs.update(unet_name=files["fp8"], compute_path=compute_path)
+            return c.run(c.pack_fp8.LoadFP8DiffusionModel, **inputs)[0]
+        return load
+
+    return {
+        "stock_bf16": stock(files["bf16"], "default"),
+        "stock_fp8_cast": stock(files["bf16"], "fp8_e4m3fn"),
+        "stock_fp8_fast": stock(files["bf16"], "fp8_e4m3fn_fast"),
+        "stock_fp8_mixed": stock(files["fp8"], "default"),
+        "pack_auto": pack("auto"),
+        "pack_weight_only": pack("weight-only"),
+    }
+
+
+# ----------------------------------------------------------------------------- offloading and unloading
+
+
+def fp8_layer_devices(c: Comfy, model) -> dict:
+    from fp8_engram.quant import QuantizedTensor
+
+    counts: dict = {}
+    for _, mod in model.model.diffusion_model.named_modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(w, QuantizedTensor):
+            key = f"{w.device.type}:{'fp8' if w.qdata.dtype in (c.torch.float8_e4m3fn, c.torch.float8_e5m2) else w.qdata.dtype}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def run_offload(c: Comfy, shape: Shape, positive, full_latent, load, vram: Vram) -> dict:
+    """pack_auto with ComfyUI told to keep most of the VRAM free: partial load, per-layer FP8 moves."""
+    mm, torch = c.mm, c.torch
+    c.free()
+    base = vram.reset()
+    model = load()
+    size = model.model_size()
+    target = 0.4 * size  # the weights ComfyUI may keep on the GPU
+    lat = [1, 16, shape.latent, shape.latent]
+    try:
+        need = model.memory_required(lat)
+    except Exception:  # older signatures: the inference floor alone
+        need = 0
+    free = mm.get_free_memory(c.device)
+    reserve = max(0, int(free - target - max(mm.minimum_inference_memory() - mm.extra_reserved_memory(), need)))
+    saved = (mm.EXTRA_RESERVED_VRAM, getattr(c.args, "reserve_vram", None))
+    moved = {"calls": 0, "bytes": 0}
+    original_move = c.pack_ops.move_quantized
+
+    def counting_move(w, device):
+        out = original_move(w, device)
+        if out is not w:
+            moved["calls"] += 1
+            moved["bytes"] += w.qdata.numel() * w.qdata.element_size()
+        return out
+
+    mm.EXTRA_RESERVED_VRAM = reserve
+    c.args.reserve_vram = reserve / GIB
+    c.pack_ops.move_quantized = counting_move
+    try:
+        clock = StepClock(c)
+        samples = sample(c, model, shape, positive, clock)
+        c.sync()
+        loaded = [lm for lm in mm.current_loaded_models if lm.model is not None and lm.model.model is model.model]
+        patcher = loaded[0].model if loaded else model
+        later = clock.later_steps_s()
+        out = {"reserved_gib": reserve / GIB, "model_gib": size / GIB,
+               "loaded_gib": patcher.loaded_size() / GIB, "lowvram": bool(getattr(patcher.model, "model_lowvram", False)),
+               "fp8_layers_by_device": fp8_layer_devices(c, patcher),
+               "fp8_moves_per_step": moved["calls"] / max(1, shape.steps),
+               "fp8_gib_moved_per_step": moved["bytes"] / max(1, shape.steps) / GIB,
+               "step_s": statistics.median(later) if later else None,
+               "latent_equal_full": bool(torch.equal(samples, full_latent)),
+               "latent_sqnr_vs_full_db": sqnr_db(full_latent, samples)}
+        out.update(vram.peaks(base))
+    finally:
+        c.pack_ops.move_quantized = original_move
+        mm.EXTRA_RESERVED_VRAM, c.args.reserve_vram = saved
+        c.free()
+    del model
+    return out
+
+
+# ----------------------------------------------------------------------------- engram
+
+
+def engram_ranks_input(c: Comfy, want: int) -> tuple[dict, int, str]:
+    """How New Engram Memory is asked for `want` CUDA ranks (its inputs decide; read from its schema)."""
+    node = c.pack_engram.NewEngramMemory
+    ids = {item.id for item in node.GET_SCHEMA().inputs}
+    gpus = c.torch.cuda.device_count()
+    for key in ("cuda_ranks", "gpu_ranks", "ranks", "num_ranks"):
+        if key in ids:
+            return {key: want, "devices": "auto"}, want, f"input {key}"
+    for key in ("ranks_per_gpu", "ranks_per_device"):
+        if key in ids:
+            per = max(1, want // max(1, gpus))
+            return {key: per, "devices": "auto"}, per * max(1, gpus), f"input {key}"
+    return {"devices": "auto"}, max(1, gpus), "devices=auto (one rank per GPU: the node has no rank-count input)"
+
+
+def run_engram(c: Comfy, shape: Shape, tiny: bool, model, want_ranks: int, rows_per_head: int) -> dict:
+    torch = c.torch
+    t0 = time.perf_counter()
+    dev = c.device if c.cuda else torch.device("cpu")
+    if tiny:
+        clip = c.sd.load_text_encoder_state_dicts([clip_l_state_dict(c, dev)], clip_type=c.sd.CLIPType.SD3)
+        encoder = "SD3-type CLIP-L (random, full size)"
+    else:
+        clip = c.sd.load_text_encoder_state_dicts([clip_l_state_dict(c, dev), t5xxl_state_dict(c, dev)],
+                                                  clip_type=c.sd.CLIPType.FLUX)
+        encoder = "Flux CLIP-L + T5-XXL (random, full size, fp16)"
+    gc.collect()
+    t_clip = time.perf_counter() - t0
+    inputs = c.defaults(c.pack_engram.NewEngramMemory)
+    if tiny:
+        extra, ranks, how = {"devices": "cpu", "cpu_ranks": 2}, 2, "devices=cpu, cpu_ranks=2"
+    else:
+        extra, ranks, how = engram_ranks_input(c, want_ranks)
+    inputs.update(extra, clip=clip, rows_per_head=rows_per_head)
+    t1 = time.perf_counter()
+    (memory,) = c.run(c.pack_engram.NewEngramMemory, unique_id="e2e-engram", **inputs)
+    t_new = time.perf_counter() - t1
+    try:
+        c.run(c.pack_engram.EngramMemorize, memory=memory, clip=clip, text=PHRASE, target_text=TARGET)
+
+        def plain():
+            return c.run(c.nodes.CLIPTextEncode, clip=clip, text=PROMPT)[0]
+
+        def engram():
+            return c.run(c.pack_engram.EngramTextEncode, clip=clip, text=PROMPT, memory=memory, strength=1.0)[0]
+
+        plain(), engram()  # warm up (loads the text encoder onto the device)
+        times = {"plain": [], "engram": []}
+        for i in range(shape.engram_repeats):
+            for name, fn in ((("plain", plain), ("engram", engram)) if i % 2 == 0 else (("engram", engram), ("plain", plain))):
+                c.sync()
+                start = time.perf_counter()
+                fn()
+                c.sync()
+                times[name].append(time.perf_counter() - start)
+        plain_ms = statistics.median(times["plain"]) * 1e3
+        engram_ms = statistics.median(times["engram"]) * 1e3
+        cond_plain, cond_engram = plain(), engram()
+        moved = not torch.equal(cond_plain[0][0], cond_engram[0][0])
+        (guided_e,) = c.run(c.nodes_flux.FluxGuidance, conditioning=cond_engram, guidance=GUIDANCE)
+        (guided_p,) = c.run(c.nodes_flux.FluxGuidance, conditioning=cond_plain, guidance=GUIDANCE)
+        steps = min(shape.steps, 4 if c.cuda else 2)
+        lat_e = sample(c, model, shape, guided_e, steps=steps)
+        lat_p = sample(c, model, shape, guided_p, steps=steps)
+        return {"encoder": encoder, "ranks": ranks, "ranks_how": how, "rows_per_head": rows_per_head,
+                "rows": int(sum(memory.store.rows_per_layer)) if hasattr(memory.store, "rows_per_layer") else None,
+                "clip_build_s": t_clip, "new_memory_s": t_new, "plain_ms": plain_ms, "engram_ms": engram_ms,
+                "added_fraction": engram_ms / plain_ms - 1.0, "conditioning_moved": moved,
+                "sampled": bool(torch.isfinite(lat_e).all()), "latent_sqnr_engram_vs_plain_db": sqnr_db(lat_p, lat_e)}
+    finally:
+        memory.close()
+        del clip
+        c.free()
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def vae_decode(c: Comfy, files: dict, samples) -> tuple:
+    (vae,) = c.run(c.nodes.VAELoader, vae_name=files["vae"])
+    c.sync()
+    t0 = time.perf_counter()
+    (image,) = c.run(c.nodes.VAEDecode, vae=vae, samples={"samples": samples})
+    c.sync()
+    return image, time.perf_counter() - t0
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="CPU, tiny shapes (what the test suite runs)")
+    p.add_argument("--double", type=int, help="double-stream blocks (default 5; tiny 1)")
+    p.add_argument("--single", type=int, help="single-stream blocks (default 10; tiny 1)")
+    p.add_argument("--steps", type=int, help="sampling steps (default 8; tiny 2)")
+    p.add_argument("--engram-ranks", type=int, default=4, help="CUDA ranks sharing the GPU for the engram memory")
+    p.add_argument("--rows-per-head", type=int, help="engram rows per hash head (default 65536; tiny 4096)")
+    p.add_argument("--skip-engram", action="store_true")
+    p.add_argument("--keep-dir", help="make the files here and keep them (default: a temp dir, deleted)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
+
+    if args.tiny:
+        shape = Shape(arch="sd3", double=args.double or 2, single=0, image=32, text_tokens=16,
+                      steps=args.steps or 3, vec_dim=2048, engram_repeats=1)
+    else:
+        shape = Shape(arch="flux", double=args.double or 5, single=args.single or 10, image=1024, text_tokens=512,
+                      steps=args.steps or 8, vec_dim=768, engram_repeats=10)
+    rows_per_head = args.rows_per_head or (4096 if args.tiny else 65536)
+    work = Path(args.keep_dir) if args.keep_dir else Path(tempfile.mkdtemp(prefix="fp8_e2e_"))
+    models_dir = work / "models"
+    c = Comfy(args.tiny, models_dir)
+    torch = c.torch
+    if not args.tiny and not c.cuda:
+        raise SystemExit("no CUDA device: run with --tiny on the CPU")
+    skipped = []
+    if not c.cuda:
+        skipped = ["VRAM figures (no GPU)", "offloading (ComfyUI keeps everything on the CPU)",
+                   "VRAM after unloading (no GPU)", "CUDA engram ranks (CPU ranks used)"]
+    vram = Vram(c)
+    result: dict = {"bench": "e2e", "mode": "tiny" if args.tiny else "full", "device": str(c.device),
+                    "gpu": torch.cuda.get_device_name(c.device) if c.cuda else None, "torch": torch.__version__,
+                    "shape": {"arch": shape.arch, "hidden": HIDDEN if shape.arch == "flux" else 64 * shape.double,
+                              "double": shape.double, "single": shape.single,
+                              "flux_dev_blocks_fraction": round((shape.double + shape.single) / 57, 3) if shape.arch == "flux" else None,
+                              "image": shape.image, "image_tokens": shape.image_tokens, "text_tokens": shape.text_tokens,
+                              "steps": shape.steps}, "skipped": skipped}
+    try:
+        with torch.inference_mode():  # as ComfyUI's executor runs every node
+            run_all(c, args, shape, rows_per_head, vram, result, models_dir)
+    finally:
+        if not args.keep_dir:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+
+    print_table(result)
+    print(json.dumps(_finite(result)))
+    return 0
+
+
+def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result: dict, models_dir: Path) -> None:
+    torch = c.torch
+    torch.manual_seed(0)
+    files = make_files(c, shape, models_dir, c.device if c.cuda else torch.device("cpu"))
+    result["files"] = {k: v for k, v in files.items() if k.endswith("bytes") or k in ("params", "make_s")}
+    logger.info("files made in %.1f s", files["make_s"])
+    if c.cuda:  # torch's matmul workspaces (bf16 and fp8) exist before the starting point is read
+        a = torch.randn(256, 256, device=c.device, dtype=torch.bfloat16)
+        a @ a
+        try:
+            torch._scaled_mm(a.to(torch.float8_e4m3fn), a.to(torch.float8_e4m3fn).t(),
+                             scale_a=torch.ones((), device=c.device), scale_b=torch.ones((), device=c.device),
+                             out_dtype=torch.bfloat16)
+        except Exception:
+            pass
+        del a
+    c.free()
+    start_alloc, start_used = vram.allocated(), vram.device_used()
+    positive = conditioning(c, shape)
+
+    rows, latents, kept = [], {}, {}
+    for name, load in loaders(c, files).items():
+        row, model, samples = run_variant(c, name, load, shape, positive, vram)
+        rows.append(row)
+        latents[name] = samples
+        if name == "pack_auto":
+            kept["pack_auto"] = model
+        del model
+    base = latents["stock_bf16"]
+    for row in rows:
+        row["sqnr_db"] = sqnr_db(base, latents[row["variant"]])
+        row["finite"] = bool(torch.isfinite(latents[row["variant"]]).all())
+    result["variants"] = rows
+    by = {r["variant"]: r for r in rows}
+
+    image_bf16, t_dec = vae_decode(c, files, base)
+    image_pack, _ = vae_decode(c, files, latents["pack_auto"])
+    result["vae"] = {"decode_s": t_dec, "image_shape": list(image_bf16.shape),
+                     "image_sqnr_pack_auto_vs_bf16_db": sqnr_db(image_bf16, image_pack)}
+
+    if c.cuda:
+        result["offload"] = run_offload(c, shape, positive, latents["pack_auto"], loaders(c, files)["pack_auto"], vram)
+    c.free()
+    if c.cuda:
+        end_alloc, end_used = vram.allocated(), vram.device_used()
+        result["unload"] = {"start_alloc_mib": start_alloc / 2**20, "after_free_alloc_mib": end_alloc / 2**20,
+                            "start_device_used_mib": start_used / 2**20, "after_free_device_used_mib": end_used / 2**20,
+                            "returned": end_alloc <= start_alloc}
+
+    if not args.skip_engram:
+        result["engram"] = run_engram(c, shape, args.tiny, kept["pack_auto"], args.engram_ranks, rows_per_head)
+    kept.clear()
+    c.free()
+
+    stock_fp8 = [by[n] for n in ("stock_fp8_cast", "stock_fp8_fast", "stock_fp8_mixed") if by[n]["step_s"]]
+    fastest = min(stock_fp8, key=lambda r: r["step_s"])
+    pa, bf = by["pack_auto"], by["stock_bf16"]
+    ratios = {"pack_auto_speedup_vs_bf16": bf["step_s"] / pa["step_s"],
+              "pack_weight_only_speedup_vs_bf16": bf["step_s"] / by["pack_weight_only"]["step_s"],
+              "fastest_stock_fp8": fastest["variant"],
+              "pack_auto_speedup_vs_fastest_stock_fp8": fastest["step_s"] / pa["step_s"],
+              "pack_auto_sqnr_db": pa["sqnr_db"]}
+    if c.cuda:
+        ratios["pack_auto_peak_vram_vs_bf16"] = pa["peak_alloc_gib"] / bf["peak_alloc_gib"]
+    result["ratios"] = ratios
+    if c.cuda:
+        off, unl = result["offload"], result["unload"]
+        eng = result.get("engram")
+        result["targets"] = {
+            "speed_vs_bf16_ge_1.2": ratios["pack_auto_speedup_vs_bf16"] >= 1.2,
+            "speed_ge_fastest_stock_fp8": ratios["pack_auto_speedup_vs_fastest_stock_fp8"] >= 1.0,
+            "peak_vram_le_0.6x_bf16": ratios["pack_auto_peak_vram_vs_bf16"] <= 0.6,
+            "sqnr_ge_20db": pa["sqnr_db"] >= 20.0,
+            "offload_partial": off["lowvram"], "offload_latent_equal": off["latent_equal_full"],
+            "vram_back_after_unload": unl["returned"],
+            "engram_added_le_10pct": None if not eng else (eng["ranks"] >= 4 and eng["added_fraction"] <= 0.10),
+        }
+
+
+def _finite(o):
+    """JSON without NaN/inf: infinite SQNR (identical results) is written as the string "inf"."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return "inf" if o > 0 else str(o)
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_finite(v) for v in o]
+    if isinstance(o, float):
+        return round(o, 5)
+    return o
+
+
+def print_table(r: dict) -> None:
+    s = r["shape"]
+    what = (f"Flux.1-dev-shaped: hidden {s['hidden']}, {s['double']} double + {s['single']} single blocks "
+            f"({s['flux_dev_blocks_fraction']:.0%} of Flux.1-dev's 57)" if s["arch"] == "flux" else
+            f"tiny SD3 MMDiT: hidden {s['hidden']}, {s['double']} joint blocks")
+    print(f"{what}, {s['image']}x{s['image']} "
+          f"({s['image_tokens']} image + {s['text_tokens']} text tokens), {s['steps']} steps; {r['device']} {r['gpu'] or ''}")
+    print(f"{'variant':<18}{'load s':>8}{'1st step s':>12}{'step s':>9}{'x bf16':>8}{'peak GiB':>10}{'reserved GiB':>14}"
+          f"{'SQNR dB':>9}")
+    bf = next(v for v in r["variants"] if v["variant"] == "stock_bf16")
+    for v in r["variants"]:
+        speed = bf["step_s"] / v["step_s"] if v["step_s"] else None
+        print(f"{v['variant']:<18}{v['load_s']:>8.2f}{v['first_step_s']:>12.2f}{fmt(v['step_s'], '.4f'):>9}"
+              f"{fmt(speed, '.2f'):>8}{fmt(v['peak_alloc_gib'], '.2f'):>10}{fmt(v['peak_reserved_gib'], '.2f'):>14}"
+              f"{v['sqnr_db']:>9.1f}")
+    if "vae" in r:
+        print(f"VAE decode {r['vae']['decode_s']:.2f} s; image SQNR pack_auto vs bf16 {r['vae']['image_sqnr_pack_auto_vs_bf16_db']:.1f} dB")
+    if "offload" in r:
+        o = r["offload"]
+        print(f"offload: reserved {o['reserved_gib']:.1f} GiB -> loaded {o['loaded_gib']:.2f} of {o['model_gib']:.2f} GiB "
+              f"(partial: {o['lowvram']}), FP8 layers {o['fp8_layers_by_device']}, {o['fp8_gib_moved_per_step']:.2f} GiB FP8 "
+              f"moved per step, step {fmt(o['step_s'], '.4f')} s, peak {fmt(o['peak_alloc_gib'], '.2f')} GiB, "
+              f"latent equal to full load: {o['latent_equal_full']}")
+    if "unload" in r:
+        u = r["unload"]
+        print(f"unload: allocated {u['start_alloc_mib']:.1f} MiB at start -> {u['after_free_alloc_mib']:.1f} MiB after "
+              f"ComfyUI's free memory (driver: {u['start_device_used_mib']:.0f} -> {u['after_free_device_used_mib']:.0f} MiB)")
+    if "engram" in r:
+        e = r["engram"]
+        print(f"engram ({e['encoder']}; {e['ranks']} ranks, {e['ranks_how']}): plain encode {e['plain_ms']:.2f} ms, "
+              f"engram encode {e['engram_ms']:.2f} ms (+{e['added_fraction']:.1%}); conditioning moved: "
+              f"{e['conditioning_moved']}; sampled: {e['sampled']}")
+    for item in r["skipped"]:
+        print(f"skipped on the CPU: {item}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""bench/e2e.py --tiny: the end-to-end GPU measurement's own code, run on the CPU (ComfyUI in-process).
+
+The script runs as the GPU check runs it (a subprocess of the ComfyUI tree's python, COMFYUI_PATH set), with
+tiny shapes; its last line is checked. The Flux-sized models it builds on a GPU are too big for the CPU, so
+their geometry is checked here on the meta device against ComfyUI's own model detection.
+
+Thresholds: latent SQNR of the FP8 variants vs the bf16 run >= 20 dB (the issue's bar), image >= 20 dB."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.host import comfy_in_process
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "e2e.py"
+VARIANTS = ("stock_bf16", "stock_fp8_cast", "stock_fp8_fast", "stock_fp8_mixed", "pack_auto", "pack_weight_only")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from comfyhost import comfyui_python, comfyui_root
+
+    try:
+        tree, python = comfyui_root(), comfyui_python()
+    except FileNotFoundError as exc:
+        pytest.skip(f"needs a ComfyUI tree and its environment: {exc}")
+    env = dict(os.environ, COMFYUI_PATH=str(tree), PYTHONUNBUFFERED="1")
+    work = tmp_path_factory.mktemp("e2e_tiny")
+    proc = subprocess.run([str(python), str(SCRIPT), "--tiny", "--keep-dir", str(work)], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, f"bench/e2e.py --tiny failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    lines = [l for l in proc.stdout.splitlines() if l.strip()]
+    return json.loads(lines[-1]), proc.stdout
+
+
+def test_tiny_run_measures_every_variant_through_comfyui(tiny_run):
+    result, table = tiny_run
+    assert result["bench"] == "e2e" and result["mode"] == "tiny" and result["device"] == "cpu"
+    rows = {r["variant"]: r for r in result["variants"]}
+    assert tuple(rows) == VARIANTS
+    for name, row in rows.items():
+        assert row["finite"], f"{name}: the sampled latent holds inf/nan"
+        assert row["first_step_s"] > row["load_s"] > 0, name  # the first step comes after the load
+        assert row["step_s"] > 0 and row["steps_timed"] == result["shape"]["steps"] - 1, name
+        assert row["peak_alloc_gib"] is None, f"{name}: no VRAM on the CPU, yet a figure was reported"
+    assert rows["stock_bf16"]["sqnr_db"] == "inf"  # the baseline against itself
+    for name in ("stock_fp8_cast", "stock_fp8_mixed", "pack_auto", "pack_weight_only"):
+        assert rows[name]["sqnr_db"] >= 20.0, f"{name}: latent {rows[name]['sqnr_db']} dB vs bf16"
+    # The pack's file is ComfyUI's mixed-precision form, so the FP8 models weigh the same, half of bf16 or less.
+    assert rows["pack_auto"]["model_bytes"] == rows["stock_fp8_mixed"]["model_bytes"]
+    assert rows["pack_auto"]["model_bytes"] < 0.8 * rows["stock_bf16"]["model_bytes"]
+    assert result["vae"]["image_sqnr_pack_auto_vs_bf16_db"] >= 20.0
+    assert result["ratios"]["fastest_stock_fp8"] in ("stock_fp8_cast", "stock_fp8_fast", "stock_fp8_mixed")
+    assert "pack_auto" in table and "stock_bf16" in table  # the readable table precedes the JSON line
+
+
+def test_tiny_run_says_what_the_cpu_skips(tiny_run):
+    result, table = tiny_run
+    assert "offload" not in result and "unload" not in result and "targets" not in result
+    assert any("offloading" in s for s in result["skipped"]) and any("VRAM" in s for s in result["skipped"])
+    assert "skipped on the CPU: offloading" in table
+
+
+def test_tiny_run_uses_engram_nodes_in_the_workflow(tiny_run):
+    result, _ = tiny_run
+    e = result["engram"]
+    assert e["ranks"] == 2 and e["ranks_how"].startswith("devices=cpu")
+    assert e["conditioning_moved"], "the memorized phrase did not change the prompt's conditioning"
+    assert e["sampled"] and e["plain_ms"] > 0 and e["engram_ms"] > 0
+    assert e["latent_sqnr_engram_vs_plain_db"] != "inf", "the engram conditioning did not reach the sampler"
+
+
+@pytest.fixture(scope="module")
+def e2e_module():
+    comfy_in_process()
+    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_e2e"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_flux_model_is_detected_as_flux_dev(e2e_module):
+    import comfy.model_detection
+    import comfy.supported_models
+
+    shape = e2e_module.Shape(arch="flux", double=5, single=10, image=1024, text_tokens=512, steps=8, vec_dim=768,
+                             engram_repeats=1)
+    sd = e2e_module.flux_module(shape).state_dict()
+    config = comfy.model_detection.model_config_from_unet(sd, "")
+    assert type(config) is comfy.supported_models.Flux, type(config)
+    unet = config.unet_config
+    assert (unet["hidden_size"], unet["num_heads"], unet["depth"], unet["depth_single_blocks"]) == (3072, 24, 5, 10)
+    assert unet["guidance_embed"] and unet["context_in_dim"] == 4096 and unet["vec_in_dim"] == 768
+    assert shape.image_tokens == 4096  # 1024x1024 -> 128x128 latent -> 64x64 patches
+
+
+def test_the_gpu_text_encoders_are_detected_as_clip_l_and_t5_xxl(e2e_module):
+    import comfy.sd
+
+    assert comfy.sd.detect_te_model(e2e_module.t5xxl_module().state_dict()) == comfy.sd.TEModel.T5_XXL
+    assert comfy.sd.detect_te_model(e2e_module.clip_l_module().state_dict()) == comfy.sd.TEModel.CLIP_L
