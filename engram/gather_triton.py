@@ -1,20 +1,26 @@
-"""One-pass engram gather: a Triton kernel over a device table of the ranks' shard base addresses.
+"""One-pass engram gather: a Triton kernel over a device table of where the ranks' shards lie.
 
 For every requested id `g` of layer `l` (rows per rank `n_l`), the kernel computes the owner
-`rank = g // n_l` and the local row `g % n_l`, loads that rank's shard base address from `bases`
-(int64, one entry per rank, the address as this process maps it), and copies the row (and, for FP8
-tables, its packed scale factors) straight from the owner's shard into the output: each requested row
-is read once and written once. Invalid ids (negative, or past `num_ranks * n_l`) read nothing and
-write zeros. Scale factors are written at any (token, column) strides, so the same kernel fills the
-row-major and the MN-major TMA-aligned layouts of the fetch contract without a second pass.
+`rank = g // n_l` and the local row `g % n_l`, finds that rank's shard as `anchor + rel[rank]` (the
+anchor is one shard, an ordinary tensor argument; `rel` holds each shard's address as this process maps
+it, minus the anchor's, in 4-byte words), and copies the row (and, for FP8 tables, its packed scale
+factors) straight from the owner's shard into the output: each requested row is read once and written
+once. Invalid ids (negative, or past `num_ranks * n_l`) read nothing and write zeros. Scale factors
+are written at any (token, column) strides, so the same kernel fills the row-major and the MN-major
+TMA-aligned layouts of the fetch contract without a second pass.
+
+Why an anchor and offsets rather than a table of raw addresses cast to pointers: after an int-to-pointer
+cast the compiler no longer knows the rows are 16-byte aligned and moves them 4 bytes at a time; offsets
+from an aligned tensor, declared multiples of 4 words, compile to 128-bit loads and stores (a test
+compiles the kernel for sm_90 and counts them).
 
 The launch reads no device value on the host (no synchronization) and uses fixed shapes, so it can be
 captured in a CUDA graph. Ranks on other GPUs work the same way: their shards are mapped into this
-process (CUDA IPC with peer access), and the kernel reads them over NVLink/PCIe through the pointers.
+process (CUDA IPC with peer access), and the kernel reads them over NVLink/PCIe at those addresses.
 
 On the CPU the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, or explicitly, see
-`gather_rows(interpret=True)`): the interpreter dereferences raw addresses, so the same pointer table
-over CPU shards exercises exactly the indexing code that runs on the GPU.
+`gather_rows(interpret=True)`): the interpreter follows raw addresses, so the same table over CPU
+shards exercises exactly the indexing code that runs on the GPU.
 
 This module imports Triton; engram/buffer.py imports it only when a gather uses it.
 """
