@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8_engram.quant import ComputeConfig, PerTensor, QuantizedTensor, kernels
+from fp8_engram.quant import Block, ComputeConfig, PerTensor, QuantizedTensor, kernels
 
 lin = importlib.import_module("fp8_engram.quant.linear")
 
@@ -99,6 +99,13 @@ def bench_shape(name, tokens, in_f, out_f, rounds, inner, notes):
         "wo dequant+cuBLAS": lambda: kernels.weight_only_linear(x, qt.qdata, qt.scale, None, True,
                                                                 b, "dequant"),
     }
+    if (name, tokens) in (("flux-mlp-up", 4608), ("flux-mlp-up", 256)):
+        # block-wise weights: fp8 with block scaling where torch has it, and forced weight-only
+        for label, layout in (("block128", Block(128, 128)), ("block1x64", Block(1, 64))):
+            qb = QuantizedTensor.from_float(w, layout)
+            fns[f"ours {label} auto"] = (lambda q: lambda: F.linear(x, q, b))(qb)
+            qwo = qb.with_config(ComputeConfig(path="weight_only"))
+            fns[f"ours {label} w-only"] = (lambda q: lambda: F.linear(x, q, b))(qwo)
     ck, why = _comfy_kitchen()
     if ck is not None:
         try:
