@@ -125,14 +125,17 @@ class ComfyServer:
         self.port = self.port or free_port()
         self.log_path = self.log_path or self.base_dir / "comfyui.log"
         cmd = [
-            self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+            self.python, str(root / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
             "--base-directory", str(self.base_dir), "--disable-auto-launch", *self.extra_args,
         ]
         logger.info("starting ComfyUI: %s (log: %s)", " ".join(cmd), self.log_path)
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if not root.is_relative_to(ROOT / ".host"):
+            env["PYTHONDONTWRITEBYTECODE"] = "1"  # a user's own tree: leave no __pycache__ behind in it
         # A session of its own, so stop() can end the server together with anything it started.
-        self.process = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Run from the base directory: ComfyUI 0.29 writes comfyui_detail.log into the working directory.
+        self.process = subprocess.Popen(cmd, cwd=self.base_dir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -106,7 +106,7 @@ if [ ! -f "$stamp" ] || [ "$comfy/requirements.txt" -nt "$stamp" ] || [ "$(cat "
   pip_in "$python" install -q -c "$constraints" -r "$envdir/comfy-requirements.txt"
   # torchaudio only where the tree imports it while loading models (comfy.sd): PyPI's newest
   # torchaudio asks for an older torch than ours, so it goes in without its dependencies.
-  if ! (cd "$comfy" && "$python" -c "import sys; sys.argv = ['main.py', '--cpu']; import comfy.cli_args; comfy.cli_args.args.cpu = True; import comfy.sd" >/dev/null 2>"$envdir/probe.log"); then
+  if ! (cd "$comfy" && PYTHONDONTWRITEBYTECODE=1 "$python" -c "import sys; sys.argv = ['main.py', '--cpu']; import comfy.cli_args; comfy.cli_args.args.cpu = True; import comfy.sd" >/dev/null 2>"$envdir/probe.log"); then
     if grep -q "No module named 'torchaudio'" "$envdir/probe.log"; then
       log "this ComfyUI imports torchaudio: installing it without dependencies"
       pip_in "$python" install -q --no-deps -c "$constraints" torchaudio

@@ -49,6 +49,8 @@ def comfyui_path(explicit: str | None) -> Path:
 
 
 def import_comfy(path: Path):
+    if not Path(path).resolve().is_relative_to(ROOT / ".host"):
+        sys.dont_write_bytecode = True  # a user's own tree: leave no __pycache__ behind in it
     sys.path.insert(0, str(path))
     import comfy.cli_args
 
