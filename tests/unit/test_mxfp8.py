@@ -127,3 +127,13 @@ def test_quantize_dequantize_and_weight_only_linear_sqnr():
     assert torch.equal(scales_from_file(scales_for_file(qt.scale), qt.qdata.shape), qt.scale)
     with pytest.raises(ValueError, match="e4m3fn"):
         QuantizedTensor.from_float(w, MXFP8(), fp8_dtype=torch.float8_e5m2)
+
+
+def test_mxfp8_weights_survive_torch_save_and_a_weights_only_load(tmp_path):
+    from fp8_engram.quant import MXFP8 as exported
+
+    w = (torch.randn(64, 96, generator=torch.Generator().manual_seed(9)) * 0.02).to(torch.bfloat16)
+    qt = QuantizedTensor.from_float(w, exported())
+    torch.save({"w": qt}, tmp_path / "w.pt")
+    back = torch.load(tmp_path / "w.pt", weights_only=True)["w"]
+    assert back.layout == MXFP8() and torch.equal(back.dequantize(), qt.dequantize())
