@@ -93,7 +93,8 @@ else
     own_site="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     # Lines of a .pth file that start with "import" run at startup: addsitedir appends .venv's
     # packages after this environment's own (so the tree's pins shadow them) and reads .venv's .pth files.
-    echo "import site; site.addsitedir('$base_site')" > "$own_site/zz_fp8_engram_base_venv.pth"
+    "$venv/bin/python" -c 'import sys; print("import site; site.addsitedir(%r)" % sys.argv[1])' "$base_site" \
+      > "$own_site/zz_fp8_engram_base_venv.pth"
     touch "$envdir/layered.done"
   fi
 fi
