@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8_engram.quant import ComputeConfig, PerRow, PerTensor, QuantizedTensor, fp8_supported
+from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, fp8_supported
 from fp8_engram.quant import linear as quant_linear
 from fp8_engram.quant.tensor import reset_log_once
 
@@ -213,3 +213,64 @@ def test_cuda_fp8_kernel_does_not_fall_back(caplog):
             for scaling in ("static", "dynamic_tensor", "dynamic_row"):
                 F.linear(x, qt.with_config(ComputeConfig(activation_scaling=scaling)))
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
+
+
+def _failing_api(monkeypatch, refuse):
+    """Replace the CPU's scaled-matmul API by one that refuses some calls, as older kernels do."""
+    api = lin.scaled_mm_api(torch.device("cpu"))
+    if api is None:
+        pytest.skip(f"torch {torch.__version__} has no scaled matmul with a CPU kernel")
+    real, seen = lin.SCALED_MM_APIS[api], []
+
+    def picky(a, b, sa, sb, bias, out_dtype):
+        seen.append((bias is not None, out_dtype))
+        if refuse(bias, out_dtype, sa.numel() > 1 or sb.numel() > 1):
+            raise RuntimeError("not supported by this kernel")
+        return real(a, b, sa, sb, bias, out_dtype)
+
+    monkeypatch.setitem(lin.SCALED_MM_APIS, api, picky)
+    monkeypatch.setattr(lin, "_bias_apart", set())
+    monkeypatch.setattr(lin, "_rowwise_bf16_only", set())
+    return seen
+
+
+def test_a_kernel_without_a_bias_epilogue_gets_the_bias_added_after(monkeypatch, caplog):
+    reset_log_once()
+    seen = _failing_api(monkeypatch, lambda bias, dt, rowwise: bias is not None)
+    w, x = _data()
+    bias = torch.full((96,), 0.5, dtype=torch.bfloat16)
+    qt = QuantizedTensor.from_float(w, PerTensor(), config=FP8)
+    with caplog.at_level(logging.WARNING):
+        y1 = F.linear(x, qt, bias)
+        y2 = F.linear(x, qt, bias)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    assert seen == [(True, torch.bfloat16), (False, torch.bfloat16), (False, torch.bfloat16)]
+    assert torch.equal(y1, y2) and sqnr(F.linear(x.double(), w.double(), bias.double()), y1) >= 27
+
+
+def test_row_wise_kernels_that_write_only_bf16_serve_fp16_through_a_cast(monkeypatch, caplog):
+    reset_log_once()
+    seen = _failing_api(monkeypatch, lambda bias, dt, rowwise: rowwise and dt != torch.bfloat16)
+    w, x = _data()
+    qt = QuantizedTensor.from_float(w, PerRow(), config=FP8)
+    with caplog.at_level(logging.WARNING):
+        y = F.linear(x.half(), qt)
+        F.linear(x.half(), qt)
+    assert y.dtype == torch.float16
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    assert seen == [(False, torch.float16), (False, torch.bfloat16), (False, torch.bfloat16)]
+    assert sqnr(F.linear(x.double(), w.double()), y) >= 27
+
+
+def test_group_quantized_activation_times_block_weight_is_accurate():
+    """The math of the 128x128 block path (1x128 activation groups, scales multiply), checked in
+    float64 here since the CPU has no block-wise scaled matmul."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(256, 384, generator=g) * torch.logspace(-2, 0, 256)[:, None]
+    x = (torch.randn(40, 384, generator=g) * torch.logspace(-3, 1, 384)[None, :]).to(torch.bfloat16)
+    qt = QuantizedTensor.from_float(w, Block(128, 128))
+    xq, sa = lin.kernels.quantize_groups(x)
+    assert sa.shape == (40, 3) and sa.stride() == (1, 40)
+    xd = (xq.double().view(40, 3, 128) * sa.double()[:, :, None]).view(40, 384)
+    y = xd @ qt.dequantize(torch.float64).t()
+    assert sqnr(F.linear(x.double(), w.double()), y) >= 27
