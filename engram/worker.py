@@ -205,6 +205,8 @@ def main(argv: list[str]) -> int:
             getattr(torch, config["dtype"]),
             int(config["num_sf_packs"]),
             device=device,
+            # Workers never fetch (the host does): skip the kernel's setup (and importing Triton).
+            gather="fixed_shape" if device.type == "cuda" else None,
         )
     except Exception as e:  # noqa: BLE001 - the host shows it
         logger.exception("engram worker %d failed to start", args.rank)
