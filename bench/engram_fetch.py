@@ -16,8 +16,10 @@ by side:
 
 Before timing, every case checks the fetch bit for bit against an independent gather (rows and scale
 factors; ~1% dead ids and a few past the table). CPU cases: BF16 as before; CUDA cases: 1, 2, 4 and 8
-ranks on hidden 1024 BF16 and hidden 7168 FP8 + UE8M0. On CUDA each call is timed with CUDA events
-(the fetch never synchronizes the host); GB/s counts the bytes written (rows + scale factors).
+ranks on hidden 1024 BF16 and hidden 7168 FP8 + UE8M0. On CUDA every function is captured in a CUDA
+graph (the fetch never synchronizes the host, so it can be) and replays are timed with CUDA events:
+GPU time, without the host's launch overhead, for the floor and ours alike. GB/s counts the bytes
+written (rows + scale factors).
 Prints a table and, last, one JSON line with every ratio.
 Run: `python bench/engram_fetch.py [--device cpu|cuda] [--quick]`.
 """
@@ -41,28 +43,64 @@ ENTRIES = 16
 
 
 def timed_side_by_side(fns: dict, repeats: int, device: str = "cpu") -> dict:
-    """Median seconds per function, calls interleaved round-robin so that load on the machine hits all alike."""
+    """Median seconds per call of each function, calls interleaved round-robin so that load on the machine hits all alike.
+
+    On CUDA each function is captured `GRAPH_CALLS` times in a CUDA graph and the replay is timed with
+    CUDA events: GPU time alone, as in a captured model step (a per-call event pair would also count the
+    host's launch overhead whenever the GPU waits for it). A function that cannot be captured is timed
+    eagerly, and the result says so.
+    """
     for fn in fns.values():
         fn()
         fn()
-    samples = {name: [] for name in fns}
     cuda = device == "cuda"
+    runners = {name: fn for name, fn in fns.items()}
+    calls = {name: 1 for name in fns}
+    eager: list[str] = []
     if cuda:
         torch.cuda.synchronize()
-    for _ in range(repeats):
         for name, fn in fns.items():
+            try:
+                runners[name] = _graphed(fn, GRAPH_CALLS)
+                calls[name] = GRAPH_CALLS
+            except RuntimeError as e:
+                print(f"# {name}: not capturable in a CUDA graph ({e}); timed eagerly", flush=True)
+                eager.append(name)
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, run in runners.items():
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                fn()
+                run()
                 end.record()
                 end.synchronize()
-                samples[name].append(start.elapsed_time(end) / 1e3)
+                samples[name].append(start.elapsed_time(end) / 1e3 / calls[name])
             else:
                 start = time.perf_counter()
-                fn()
+                run()
                 samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    result = {name: statistics.median(v) for name, v in samples.items()}
+    result["_eager"] = eager
+    return result
+
+
+GRAPH_CALLS = 5
+
+
+def _graphed(fn, calls: int):
+    """`fn` captured `calls` times in one CUDA graph; returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
 
 
 def reference_gather(peer_tables: list[torch.Tensor], ids: torch.Tensor, rows_per_rank: int) -> torch.Tensor:
@@ -149,6 +187,7 @@ def run_case(ranks: int, hidden: int, fp8: bool, rows_per_rank: int, tokens: int
             return (data, reference_gather(scales, flat, rows_per_rank)) if fp8 else data
 
         times = timed_side_by_side({**floor_fns, "ours": ours, "ref": ref}, repeats, dev.type)
+        eager = times.pop("_eager")
         t_floor = min(times[k] for k in floor_fns)  # the fastest plain select is the floor
         t_ours, t_ref = times["ours"], times["ref"]
         moved = tokens * ENTRIES * (hidden * dtype.itemsize + (buffer.num_sf_packs * 4 if fp8 else 0))
@@ -166,6 +205,7 @@ def run_case(ranks: int, hidden: int, fp8: bool, rows_per_rank: int, tokens: int
             "ref_over_ours": t_ref / t_ours,
             "floor_gbps": moved / t_floor / 1e9,
             "ours_gbps": moved / t_ours / 1e9,
+            "timing": "cpu wall" if dev.type == "cpu" else ("cuda graph" if not eager else f"cuda graph; eager: {','.join(eager)}"),
         }
     finally:
         group.close()
