@@ -184,3 +184,18 @@ def test_weight_only_gemm_with_block_scales_is_accurate(layout, k, native, monke
                                                    block=(layout.rows, layout.cols))
     ref = F.linear(x.double(), qt.dequantize(torch.float64))
     assert sqnr(ref, y) >= 48.0
+
+
+def test_ties_and_near_ties_round_like_torch():
+    """Values exactly halfway between neighbouring FP8 codes (ties go to the even code), and just
+    either side of halfway, across every binade and the subnormals, both signs."""
+    for fp8 in FP8:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+        pos = codes[(codes > 0) & codes.isfinite()].unique().sort().values
+        mid = (pos[:-1] + pos[1:]) / 2
+        eps = (pos[1:] - pos[:-1]) / 64
+        x = torch.cat([mid, mid + eps, mid - eps, pos[:1] / 2, pos[:1] / 3])
+        x = torch.cat([x, -x]).reshape(1, -1)
+        one = torch.tensor(1.0)
+        assert _bytes_equal(act_quant.quantize_tensor(x, one, fp8),
+                            act_quant.quantize_tensor_torch(x, one, fp8))
