@@ -12,6 +12,8 @@ and shape it handles) and otherwise calls the twin, which computes the same thin
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import act_quant, dequant as _dequant, weight_only_gemm
@@ -27,6 +29,17 @@ __all__ = ["HAS_TRITON", "quantize_rows", "quantize_tensor", "quantize_groups", 
 FUSED_WEIGHT_ONLY_MAX_M = 1024
 
 
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def _on(t: torch.Tensor):
+    """Triton launches on the current CUDA device: switch to the tensor's when it differs
+    (models spread over several GPUs)."""
+    if t.device.index is None or t.device.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(t.device)
+
+
 def _triton_act(x2d: torch.Tensor) -> bool:
     return HAS_TRITON and x2d.is_cuda and x2d.dtype in (torch.bfloat16, torch.float16,
                                                         torch.float32)
@@ -35,24 +48,30 @@ def _triton_act(x2d: torch.Tensor) -> bool:
 def quantize_rows(x2d: torch.Tensor, fp8_dtype=torch.float8_e4m3fn):
     """(q [M, K], scale [M, 1]) with one dynamic scale per row."""
     if _triton_act(x2d):
-        return act_quant.quantize_rows(x2d, fp8_dtype)
+        with _on(x2d):
+            return act_quant.quantize_rows(x2d, fp8_dtype)
     return act_quant.quantize_rows_torch(x2d, fp8_dtype)
 
 
 def quantize_tensor(x2d: torch.Tensor, scale: torch.Tensor | None, fp8_dtype=torch.float8_e4m3fn):
     """(q [M, K], scale 0-d): the given static scale, or a dynamic one (absmax of all of x)."""
+    if _triton_act(x2d):
+        with _on(x2d):
+            if scale is None:
+                scale = act_quant.tensor_scale(x2d, fp8_dtype)
+            scale = scale.to(device=x2d.device, dtype=torch.float32).reshape(())
+            return act_quant.quantize_tensor(x2d, scale, fp8_dtype), scale
     if scale is None:
         scale = act_quant.tensor_scale(x2d, fp8_dtype)
     scale = scale.to(device=x2d.device, dtype=torch.float32).reshape(())
-    if _triton_act(x2d):
-        return act_quant.quantize_tensor(x2d, scale, fp8_dtype), scale
     return act_quant.quantize_tensor_torch(x2d, scale, fp8_dtype), scale
 
 
 def quantize_groups(x2d: torch.Tensor, fp8_dtype=torch.float8_e4m3fn):
     """(q [M, K], scale [M, ceil(K/128)] column-major) with one scale per row and 128 columns."""
     if _triton_act(x2d):
-        return act_quant.quantize_groups(x2d, fp8_dtype)
+        with _on(x2d):
+            return act_quant.quantize_groups(x2d, fp8_dtype)
     return act_quant.quantize_groups_torch(x2d, fp8_dtype)
 
 
@@ -62,6 +81,9 @@ def tensor_scale(x2d: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> torch.Tens
 
 def dequantize(q, scale, block, dtype, per_tensor: bool, out=None):
     """FP8 weight -> ``dtype`` with the bits the CPU path gives (see ``dequant.py``)."""
+    if q.is_cuda:
+        with _on(q):
+            return _dequant.dequantize(q, scale, block, dtype, per_tensor, out)
     return _dequant.dequantize(q, scale, block, dtype, per_tensor, out)
 
 
@@ -77,7 +99,8 @@ def weight_only_linear(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
     if method == "auto":
         method = "fused" if fused_ok and x2d.shape[0] <= FUSED_WEIGHT_ONLY_MAX_M else "dequant"
     if method == "fused" and fused_ok:
-        return weight_only_gemm.weight_only_linear_triton(x2d, q, scale, bias, per_tensor,
-                                                          block=gemm_block)
+        with _on(x2d):
+            return weight_only_gemm.weight_only_linear_triton(x2d, q, scale, bias, per_tensor,
+                                                              block=gemm_block)
     w = dequantize(q, scale, block, x2d.dtype, per_tensor)
     return torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
