@@ -139,7 +139,7 @@ class EngramGroup:
 
     `rows_per_layer` are the GLOBAL rows each layer needs; every layer is padded up to a multiple of
     `num_ranks`, and `self.rows_per_layer` reports the padded counts (rows past what was asked stay zero).
-    `device` is "cpu" (gloo, shared memory; `num_ranks` CPU ranks) or "cuda" (symmetric memory; rank r on
+    `device` is "cpu" (gloo, shared memory; `num_ranks` CPU ranks) or "cuda" (driver memory shared by CUDA IPC; rank r on
     GPU r % device_count, so several ranks may share a GPU). `num_entries_per_token` and `num_max_tokens` configure the DeepEP-style `fetch` of
     `self.buffer`; `fetch_rows` accepts any entry and token count.
     """
