@@ -165,6 +165,10 @@ class Comfy:
         """Call a node the way ComfyUI's executor does: V3 classes through a clone holding the hidden inputs."""
         if hasattr(node, "EXECUTE_NORMALIZED"):
             hidden = {self.io.Hidden.unique_id: unique_id} if unique_id is not None else {}
+            import inspect
+
+            if "v3_data" in inspect.signature(node.PREPARE_CLASS_CLONE).parameters:  # newer ComfyUI (0.4+)
+                hidden = {"hidden_inputs": hidden}
             return tuple(node.PREPARE_CLASS_CLONE(hidden).EXECUTE_NORMALIZED(**inputs).args)
         obj = node()
         return tuple(getattr(obj, node.FUNCTION)(**inputs))
@@ -215,13 +219,18 @@ def flux_module(shape: Shape):
     """Flux.1-dev's geometry at `shape`'s depth, on the meta device (shapes only)."""
     import torch
 
-    import comfy.ops
-    from comfy.ldm.flux.model import Flux
+    import dataclasses
 
+    import comfy.ops
+    from comfy.ldm.flux.model import Flux, FluxParams
+
+    extra = {}
+    if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)}:  # newer ComfyUI; Flux.1 has none
+        extra["txt_ids_dims"] = []
     return Flux(dtype=torch.bfloat16, device="meta", operations=comfy.ops.disable_weight_init,
                 in_channels=16, out_channels=16, vec_in_dim=shape.vec_dim, context_in_dim=CONTEXT, hidden_size=HIDDEN,
                 mlp_ratio=4.0, num_heads=24, depth=shape.double, depth_single_blocks=shape.single,
-                axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True)
+                axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True, **extra)
 
 
 def flux_state_dict(c: Comfy, shape: Shape, device) -> dict:

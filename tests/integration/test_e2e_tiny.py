@@ -56,9 +56,9 @@ def test_tiny_run_measures_every_variant_through_comfyui(tiny_run):
     assert rows["stock_bf16"]["sqnr_db"] == "inf"  # the baseline against itself
     for name in ("stock_fp8_cast", "stock_fp8_mixed", "pack_auto", "pack_weight_only"):
         assert rows[name]["sqnr_db"] >= 20.0, f"{name}: latent {rows[name]['sqnr_db']} dB vs bf16"
-    # The pack's file is ComfyUI's mixed-precision form, so the FP8 models weigh the same, half of bf16 or less.
-    assert rows["pack_auto"]["model_bytes"] == rows["stock_fp8_mixed"]["model_bytes"]
-    assert rows["pack_auto"]["model_bytes"] < 0.8 * rows["stock_bf16"]["model_bytes"]
+    # FP8 weights stay FP8 in memory (the tiny model's bf16 embedders and norms keep it above half of bf16).
+    for name in ("stock_fp8_mixed", "pack_auto", "pack_weight_only"):
+        assert rows[name]["model_bytes"] < 0.8 * rows["stock_bf16"]["model_bytes"], name
     assert result["vae"]["image_sqnr_pack_auto_vs_bf16_db"] >= 20.0
     assert result["ratios"]["fastest_stock_fp8"] in ("stock_fp8_cast", "stock_fp8_fast", "stock_fp8_mixed")
     assert "pack_auto" in table and "stock_bf16" in table  # the readable table precedes the JSON line
