@@ -370,11 +370,11 @@ def plain_dtypes(state_dict: dict, choice: torch.dtype | None = None, source: di
             out = {k: unknown for k, v in plain.items() if v.dtype in (torch.float32, torch.float64)}
             out.update({k: v.dtype for k, v in plain.items() if k not in out})
             names = sorted({str(d).removeprefix("torch.") for d in out.values()})
-            return out, (f"non-FP8 tensors written as {', '.join(names) or '-'} (the source file's dtypes are "
-                         "unknown for a model this pack did not load; pick weight_dtype to choose)")
+            return out, (f"non-FP8 tensors written as {', '.join(names) or '-'} (source dtypes unknown: "
+                         "pick weight_dtype to choose)")
         names = sorted({str(v.dtype).removeprefix("torch.") for v in plain.values()})
-        return {}, (f"non-FP8 tensors written as in memory ({', '.join(names) or '-'}); the source file's dtypes "
-                    "are unknown for a model this pack did not load")
+        return {}, (f"non-FP8 tensors written as in memory ({', '.join(names) or '-'}; source dtypes unknown: "
+                    "pick weight_dtype to choose)")
     lookup: dict[str, torch.dtype] = {}
     for key, dtype in source.items():
         lookup.setdefault(key, dtype)

@@ -7,12 +7,19 @@
 //   ui.engram_hits  [{stream, tokens: [{text, strength, hit}]}]   the prompt, hit words highlighted
 //   ui.text         [string]                                       plain text reports
 // The last payload also stays on the node as `node.fp8EngramLastOutput` (read by the browser tests).
+//
+// The panel stays inside its node: text wraps at the node's width, the node grows to the panel's
+// height (up to MAX_PANEL_HEIGHT), and a longer panel scrolls inside the node. Text reports longer
+// than MAX_TEXT_LINES are folded to their first lines (lines with hits first, for Engram Inspect);
+// the whole report stays in the node's text output.
 import { app } from "../../scripts/app.js";
 
 const NODE_PREFIX = "FP8Engram.";
 const PANEL = "fp8_engram_panel";
 const MIN_PANEL_WIDTH = 360;
 const MAX_PANEL_HEIGHT = 320;
+const MAX_TEXT_LINES = 8;
+const WRAP = "white-space: pre-wrap; overflow-wrap: anywhere; word-break: break-word;";
 
 function mib(bytes) {
   return `${(bytes / 2 ** 20).toFixed(bytes < 2 ** 24 ? 2 : 0)} MiB`;
@@ -25,6 +32,18 @@ function el(tag, className, text) {
   return node;
 }
 
+// Engram Inspect writes one line per token ("... 0/16 entries ..." for a miss): show hits first.
+const MISS_LINE = /\b0\/\d+ entries\b/;
+
+function foldText(text) {
+  const lines = String(text).split("\n");
+  if (lines.length <= MAX_TEXT_LINES) return { shown: lines.join("\n"), hidden: 0 };
+  const [head, ...rest] = lines;
+  const hits = rest.filter((line) => !MISS_LINE.test(line));
+  const pick = (hits.length ? hits : rest).slice(0, MAX_TEXT_LINES - 1);
+  return { shown: [head, ...pick].join("\n"), hidden: lines.length - 1 - pick.length };
+}
+
 function renderSummary(summary) {
   const box = el("div", "fp8-engram-summary");
   const ratio = summary.bytes_bf16 ? summary.bytes_on_disk / summary.bytes_bf16 : 0;
@@ -32,19 +51,19 @@ function renderSummary(summary) {
     `${summary.format}`,
     `${summary.layers_quantized}/${summary.layers_total} layers FP8`,
     `${mib(summary.bytes_on_disk)} on disk vs ${mib(summary.bytes_bf16)} bf16 (${(ratio * 100).toFixed(0)}%)`,
-    `compute: ${summary.compute_path}`,
   ];
+  if (summary.compute_path && summary.compute_path !== "-") lines.push(`compute: ${summary.compute_path}`);
   for (const line of lines) box.append(el("div", "fp8-engram-line", line));
   return box;
 }
 
-function renderQuality(quality) {
+function renderQuality(quality, withWorst = true) {
   const box = el("div", "fp8-engram-quality");
   box.append(
     el("div", "fp8-engram-line", `${quality.granularity} ${quality.dtype}: ${quality.layers} layers quantized, ${quality.kept} kept`),
     el("div", "fp8-engram-line", `SQNR mean ${Number(quality.mean_sqnr_db).toFixed(1)} dB, min ${Number(quality.min_sqnr_db).toFixed(1)} dB`),
   );
-  if (quality.worst_layer) box.append(el("div", "fp8-engram-line", `worst: ${quality.worst_layer}`));
+  if (withWorst && quality.worst_layer) box.append(el("div", "fp8-engram-line", `worst: ${quality.worst_layer}`));
   return box;
 }
 
@@ -69,18 +88,79 @@ function renderHits(entry, maxStrength) {
 
 function render(message) {
   const root = el("div", "fp8-engram-panel");
-  root.style.cssText = "font: 11px monospace; color: var(--input-text, #ddd); padding: 4px; overflow: auto; white-space: normal;";
+  root.style.cssText = `font: 11px monospace; color: var(--input-text, #ddd); padding: 4px; box-sizing: border-box; ${WRAP}`;
   for (const summary of message.fp8_summary || []) root.append(renderSummary(summary));
-  for (const quality of message.fp8_quality || []) root.append(renderQuality(quality));
+  // With a text report (the worst layers listed), the quality block leaves out its own "worst:" line.
+  for (const quality of message.fp8_quality || []) root.append(renderQuality(quality, !message.text));
   const hits = message.engram_hits || [];
   const maxStrength = Math.max(0, ...hits.flatMap((h) => (h.tokens || []).map((t) => t.strength || 0)));
   for (const entry of hits) root.append(renderHits(entry, maxStrength));
   for (const text of message.text || []) {
-    const pre = el("pre", "fp8-engram-text", String(text));
-    pre.style.cssText = "margin: 0; white-space: pre;";
+    const { shown, hidden } = foldText(text);
+    const pre = el("pre", "fp8-engram-text", shown);
+    pre.style.cssText = `margin: 0; font: inherit; ${WRAP}`;
     root.append(pre);
+    if (hidden > 0) {
+      const more = el("div", "fp8-engram-more", `… ${hidden} more lines in the node's text output`);
+      more.style.cssText = "opacity: 0.7; font-style: italic;";
+      root.append(more);
+    }
   }
   return root;
+}
+
+const MIN_PANEL_HEIGHT = 60;
+const TIGHT_PANEL_HEIGHT = 36; // two lines: the least a panel gets, even where a neighbour is close
+const GAP = 10;
+
+function contentHeight(widget) {
+  const content = widget.fp8Holder.firstElementChild;
+  return Math.min(MAX_PANEL_HEIGHT, content ? content.scrollHeight + 8 : 0);
+}
+
+function titleHeight() {
+  return globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+}
+
+// How far the node may extend (graph units from its top-left) before it would cover a node that now
+// lies entirely below it / to its right. Nodes it already overlaps are left out: that was the layout.
+function room(node) {
+  const t = titleHeight();
+  const [x0, y0] = node.pos;
+  const [x1, y1] = [x0 + node.size[0], y0 + node.size[1]];
+  let down = Infinity;
+  let right = Infinity;
+  for (const other of node.graph?._nodes ?? []) {
+    if (other === node) continue;
+    const [ox0, oy0] = [other.pos[0], other.pos[1] - t];
+    const [ox1, oy1] = [other.pos[0] + other.size[0], other.pos[1] + other.size[1]];
+    if (ox0 < x1 && ox1 > x0 && oy0 >= y1) down = Math.min(down, oy0 - GAP - y0);
+    if (oy0 < y1 && oy1 > y0 - t && ox0 >= x1) right = Math.min(right, ox0 - GAP - x0);
+  }
+  return { down, right };
+}
+
+// Size the node to its panel: wider to MIN_PANEL_WIDTH and taller to the panel's whole height, but
+// never over a neighbour below or to the right (the panel then scrolls) and never smaller than the
+// user made it. Measured after the frontend has laid the panel out at the node's width.
+function fitNode(node, widget) {
+  const width = Math.max(node.size[0], Math.min(MIN_PANEL_WIDTH, room(node).right));
+  if (width !== node.size[0]) node.setSize?.([width, node.size[1]]);
+  requestAnimationFrame(() =>
+    requestAnimationFrame(() => {
+      const full = contentHeight(widget);
+      widget.fp8Full = full;
+      widget.fp8Min = undefined;
+      const smallest = Math.min(full, MIN_PANEL_HEIGHT);
+      const others = (node.computeSize?.() ?? node.size)[1] - smallest; // everything but the panel
+      const down = room(node).down;
+      // Squeeze the panel (down to TIGHT_PANEL_HEIGHT, scrolling) before covering the node below.
+      widget.fp8Min = Math.max(Math.min(smallest, TIGHT_PANEL_HEIGHT), Math.min(smallest, down - others));
+      const height = Math.max(node.size[1], Math.min(others + full, Math.max(others + widget.fp8Min, down)));
+      node.setSize?.([node.size[0], height]);
+      node.setDirtyCanvas?.(true, true);
+    }),
+  );
 }
 
 function showPanel(node, message) {
@@ -88,19 +168,21 @@ function showPanel(node, message) {
   let widget = node.widgets?.find((w) => w.name === PANEL);
   if (!widget) {
     const holder = el("div", "fp8-engram-holder");
+    // The frontend sizes this element to the widget's share of the node; what does not fit scrolls.
+    holder.style.cssText = "overflow-x: hidden; overflow-y: auto; box-sizing: border-box; width: 100%; height: 100%;";
     widget = node.addDOMWidget(PANEL, "fp8_engram_panel", holder, {
       serialize: false,
       hideOnZoom: false,
-      getMinHeight: () => Math.min(MAX_PANEL_HEIGHT, holder.scrollHeight + 8),
+      getMinHeight: () => widget.fp8Min ?? Math.min(widget.fp8Full ?? MIN_PANEL_HEIGHT, MIN_PANEL_HEIGHT),
+      getMaxHeight: () => widget.fp8Full ?? MAX_PANEL_HEIGHT,
     });
     widget.fp8Holder = holder;
   }
   widget.fp8Holder.replaceChildren(content);
   widget.fp8Holder.dataset.nodeId = String(node.id);
-  // Grow the node so the panel is readable without scrolling (never shrink what the user sized).
-  const wanted = node.computeSize?.() ?? node.size;
-  node.setSize?.([Math.max(node.size[0], MIN_PANEL_WIDTH, wanted[0]), Math.max(node.size[1], wanted[1])]);
-  node.setDirtyCanvas?.(true, true);
+  widget.fp8Full = undefined;
+  widget.fp8Min = undefined;
+  fitNode(node, widget);
 }
 
 app.registerExtension({
