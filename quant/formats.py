@@ -81,7 +81,9 @@ UNQUANTIZED = "unquantized"
 MARKER = "scaled_fp8"
 QUANT_METADATA_KEY = "_quantization_metadata"
 # Bounds on what a file may make the reader parse or allocate before any tensor is touched.
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+# safetensors itself allows 100 MB, but parsing a hostile 100 MB JSON header costs Python up to ~1 GB;
+# real headers (thousands of tensors, training metadata, embedded workflows) stay far below 32 MiB.
+MAX_HEADER_BYTES = 32 * 1024 * 1024
 MAX_METADATA_JSON_BYTES = 16 * 1024 * 1024  # one JSON value of the header metadata
 MAX_COMFY_QUANT_BYTES = 64 * 1024  # one `.comfy_quant` tensor (a few dozen bytes of JSON in practice)
 MAX_DIMS = 8
@@ -146,10 +148,13 @@ def read_header(path) -> SafetensorsHeader:
                 raise _err(path, None, f"file is {file_size} bytes long, too short to be safetensors",
                            "an 8-byte header length followed by a JSON header")
             (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or n > file_size - 8:
+            if n > file_size - 8:
                 raise _err(path, None, f"header length field says {n} bytes but the file has {file_size - 8} "
                            "bytes after it (truncated file, or not a safetensors file)",
                            f"a header length of at most {min(MAX_HEADER_BYTES, file_size - 8)}")
+            if n > MAX_HEADER_BYTES:
+                raise _err(path, None, f"the JSON header is {n:,} bytes long, more than this reader accepts",
+                           f"at most {MAX_HEADER_BYTES:,} bytes (real checkpoints use well under 1 MB)")
             raw = f.read(n)
     except OSError as exc:
         raise FormatError(f"{path}: cannot read the file ({exc})") from exc

@@ -204,3 +204,15 @@ def test_memory_ceiling_turns_a_huge_allocation_into_an_error():
         with pytest.raises((MemoryError, RuntimeError)):
             torch.empty(2 << 30, dtype=torch.uint8)
     assert torch.empty(2 << 30, dtype=torch.uint8).numel() == 2 << 30  # untouched pages: no real memory
+
+
+def test_header_over_the_size_cap_is_refused_before_parsing(tmp_path):
+    """A complete file whose JSON header is larger than the cap (parsing a hostile one this size would
+    cost Python many times its size) gets a named error, not a parse."""
+    path = tmp_path / "big_header.safetensors"
+    blob = b'{"__metadata__": {"pad": "' + b"x" * (formats.MAX_HEADER_BYTES + 16) + b'"}}'
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob)
+    with pytest.raises(formats.FormatError, match="more than this reader accepts") as info:
+        formats.read_header(path)
+    assert str(path) in str(info.value)
