@@ -572,7 +572,57 @@ def engram_ranks_input(c: Comfy, want: int) -> tuple[dict, int, str]:
     return {"devices": "auto"}, max(1, gpus), "devices=auto (one rank per GPU: the node has no rank-count input)"
 
 
+def encode_times(c: Comfy, shape: Shape, clip, memory) -> dict:
+    """Engram Memorize, then Engram Text Encode vs CLIP Text Encode on one prompt (interleaved, median)."""
+    torch = c.torch
+    c.run(c.pack_engram.EngramMemorize, memory=memory, clip=clip, text=PHRASE, target_text=TARGET)
+
+    def plain():
+        return c.run(c.nodes.CLIPTextEncode, clip=clip, text=PROMPT)[0]
+
+    def engram():
+        return c.run(c.pack_engram.EngramTextEncode, clip=clip, text=PROMPT, memory=memory, strength=1.0)[0]
+
+    plain(), engram()  # warm up (loads the text encoder onto the device)
+    times, conds = {"plain": [], "engram": []}, {}
+    for i in range(shape.engram_repeats):
+        for name, fn in ((("plain", plain), ("engram", engram)) if i % 2 == 0 else (("engram", engram), ("plain", plain))):
+            c.sync()
+            start = time.perf_counter()
+            conds[name] = fn()
+            c.sync()
+            times[name].append(time.perf_counter() - start)
+    plain_ms = statistics.median(times["plain"]) * 1e3
+    engram_ms = statistics.median(times["engram"]) * 1e3
+    cond_plain, cond_engram = conds["plain"], conds["engram"]
+    rows = getattr(memory.store, "rows_per_layer", None)
+    return {"rows": int(sum(rows)) if rows else None, "plain_ms": plain_ms, "engram_ms": engram_ms,
+            "added_fraction": engram_ms / plain_ms - 1.0,
+            "conditioning_moved": not torch.equal(cond_plain[0][0], cond_engram[0][0]),
+            "_conds": (cond_plain, cond_engram)}
+
+
+def library_memory(c: Comfy, clip, ranks: int, rows_per_head: int, device: str):
+    """An engram memory on `ranks` ranks made with the pack's library (EngramGroup + EngramMemory), for rank
+    counts New Engram Memory does not offer on this machine; the engram nodes then use it like theirs."""
+    from fp8_engram.engram.group import EngramGroup
+    from fp8_engram.engram.memory import EngramMemory, make_config
+
+    defaults = c.defaults(c.pack_engram.NewEngramMemory)
+    layout = c.pack_engram._clip_layout(clip)
+    config, vocabs = make_config(layout, c.pack_engram._clip_tokenizers(clip), max_order=defaults.get("max_order", 3),
+                                 heads=defaults.get("heads", 8), rows_per_head=rows_per_head, seed=0)
+    store = EngramGroup(config.rows_per_layer(ranks), config.hidden, c.torch.bfloat16, num_ranks=ranks, device=device)
+    try:
+        return EngramMemory(config, store, vocabs)
+    except BaseException:
+        store.close()
+        raise
+
+
 def run_engram(c: Comfy, shape: Shape, tiny: bool, model, want_ranks: int, rows_per_head: int) -> dict:
+    """The node-made memory (sampled with), and, when the node gives fewer ranks than `want_ranks`, one made
+    with the library on `want_ranks` ranks sharing the device (encode times only)."""
     torch = c.torch
     t0 = time.perf_counter()
     dev = c.device if c.cuda else torch.device("cpu")
@@ -584,52 +634,47 @@ def run_engram(c: Comfy, shape: Shape, tiny: bool, model, want_ranks: int, rows_
                                                   clip_type=c.sd.CLIPType.FLUX)
         encoder = "Flux CLIP-L + T5-XXL (random, full size, fp16)"
     gc.collect()
-    t_clip = time.perf_counter() - t0
+    out = {"encoder": encoder, "rows_per_head": rows_per_head, "clip_build_s": time.perf_counter() - t0}
     inputs = c.defaults(c.pack_engram.NewEngramMemory)
     if tiny:
         extra, ranks, how = {"devices": "cpu", "cpu_ranks": 2}, 2, "devices=cpu, cpu_ranks=2"
     else:
         extra, ranks, how = engram_ranks_input(c, want_ranks)
     inputs.update(extra, clip=clip, rows_per_head=rows_per_head)
-    t1 = time.perf_counter()
-    (memory,) = c.run(c.pack_engram.NewEngramMemory, unique_id="e2e-engram", **inputs)
-    t_new = time.perf_counter() - t1
     try:
-        c.run(c.pack_engram.EngramMemorize, memory=memory, clip=clip, text=PHRASE, target_text=TARGET)
-
-        def plain():
-            return c.run(c.nodes.CLIPTextEncode, clip=clip, text=PROMPT)[0]
-
-        def engram():
-            return c.run(c.pack_engram.EngramTextEncode, clip=clip, text=PROMPT, memory=memory, strength=1.0)[0]
-
-        plain(), engram()  # warm up (loads the text encoder onto the device)
-        times = {"plain": [], "engram": []}
-        for i in range(shape.engram_repeats):
-            for name, fn in ((("plain", plain), ("engram", engram)) if i % 2 == 0 else (("engram", engram), ("plain", plain))):
-                c.sync()
-                start = time.perf_counter()
-                fn()
-                c.sync()
-                times[name].append(time.perf_counter() - start)
-        plain_ms = statistics.median(times["plain"]) * 1e3
-        engram_ms = statistics.median(times["engram"]) * 1e3
-        cond_plain, cond_engram = plain(), engram()
-        moved = not torch.equal(cond_plain[0][0], cond_engram[0][0])
-        (guided_e,) = c.run(c.nodes_flux.FluxGuidance, conditioning=cond_engram, guidance=GUIDANCE)
-        (guided_p,) = c.run(c.nodes_flux.FluxGuidance, conditioning=cond_plain, guidance=GUIDANCE)
-        steps = min(shape.steps, 4 if c.cuda else 2)
-        lat_e = sample(c, model, shape, guided_e, steps=steps)
-        lat_p = sample(c, model, shape, guided_p, steps=steps)
-        return {"encoder": encoder, "ranks": ranks, "ranks_how": how, "rows_per_head": rows_per_head,
-                "rows": int(sum(memory.store.rows_per_layer)) if hasattr(memory.store, "rows_per_layer") else None,
-                "clip_build_s": t_clip, "new_memory_s": t_new, "plain_ms": plain_ms, "engram_ms": engram_ms,
-                "added_fraction": engram_ms / plain_ms - 1.0, "conditioning_moved": moved,
-                "sampled": bool(torch.isfinite(lat_e).all()), "latent_sqnr_engram_vs_plain_db": sqnr_db(lat_p, lat_e)}
+        t1 = time.perf_counter()
+        (memory,) = c.run(c.pack_engram.NewEngramMemory, unique_id="e2e-engram", **inputs)
+        out["new_memory_s"] = time.perf_counter() - t1
+        try:
+            node = encode_times(c, shape, clip, memory)
+            cond_plain, cond_engram = node.pop("_conds")
+            (guided_e,) = c.run(c.nodes_flux.FluxGuidance, conditioning=cond_engram, guidance=GUIDANCE)
+            (guided_p,) = c.run(c.nodes_flux.FluxGuidance, conditioning=cond_plain, guidance=GUIDANCE)
+            steps = min(shape.steps, 4 if c.cuda else 2)
+            lat_e = sample(c, model, shape, guided_e, steps=steps)
+            lat_p = sample(c, model, shape, guided_p, steps=steps)
+            node.update(ranks=ranks, ranks_how=how, sampled=bool(torch.isfinite(lat_e).all()),
+                        latent_sqnr_engram_vs_plain_db=sqnr_db(lat_p, lat_e))
+            out.update(node)
+        finally:
+            memory.close()
+        lib_ranks = want_ranks if c.cuda else 3
+        if ranks < lib_ranks:
+            t2 = time.perf_counter()
+            memory = library_memory(c, clip, lib_ranks, rows_per_head, "cuda" if c.cuda else "cpu")
+            try:
+                lib = encode_times(c, shape, clip, memory)
+                lib.pop("_conds")
+                lib.update(ranks=lib_ranks, new_memory_s=time.perf_counter() - t2,
+                           how=f"EngramGroup(num_ranks={lib_ranks}, device={'cuda' if c.cuda else 'cpu'}) + EngramMemory, "
+                               "used by Engram Memorize and Engram Text Encode")
+                out["library_ranks"] = lib
+            finally:
+                memory.close()
     finally:
-        memory.close()
         del clip
         c.free()
+    return out
 
 
 # ----------------------------------------------------------------------------- main
@@ -690,19 +735,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with torch.inference_mode():  # as ComfyUI's executor runs every node
             run_all(c, args, shape, rows_per_head, vram, result, models_dir)
+    except Exception as exc:  # still print what was measured, and say what broke
+        logger.exception("the run stopped")
+        result.setdefault("errors", {})["run"] = f"{type(exc).__name__}: {exc}"[:2000]
     finally:
         if not args.keep_dir:
             import shutil
 
             shutil.rmtree(work, ignore_errors=True)
 
-    print_table(result)
+    try:
+        print_table(result)
+    except Exception:  # the JSON line below is what gets compared; never lose it to the table
+        logger.exception("the table could not be printed")
     print(json.dumps(_finite(result)))
-    return 0
+    return 1 if result.get("errors") else 0
 
 
 def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result: dict, models_dir: Path) -> None:
+    """Every part in turn; a part that fails is recorded in result["errors"] and the others still run."""
     torch = c.torch
+    errors = result.setdefault("errors", {})
+
+    def guarded(key, fn, *fn_args):
+        try:
+            return fn(*fn_args)
+        except Exception as exc:  # one broken part must not cost the figures of the others
+            logger.exception("%s failed", key)
+            errors[key] = f"{type(exc).__name__}: {exc}"[:2000]
+            return None
+
     torch.manual_seed(0)
     files = make_files(c, shape, models_dir, c.device if c.cuda else torch.device("cpu"))
     result["files"] = {k: v for k, v in files.items() if k.endswith("bytes") or k in ("params", "make_s")}
@@ -723,26 +785,36 @@ def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result
 
     rows, latents, kept = [], {}, {}
     for name, load in loaders(c, files).items():
-        row, model, samples = run_variant(c, name, load, shape, positive, vram)
+        got = guarded(name, run_variant, c, name, load, shape, positive, vram)
+        if got is None:
+            rows.append({"variant": name, "error": errors[name]})
+            continue
+        row, model, samples = got
         rows.append(row)
         latents[name] = samples
         if name == "pack_auto":
             kept["pack_auto"] = model
-        del model
-    base = latents["stock_bf16"]
+        del model, got
+    base = latents.get("stock_bf16")
     for row in rows:
-        row["sqnr_db"] = sqnr_db(base, latents[row["variant"]])
-        row["finite"] = bool(torch.isfinite(latents[row["variant"]]).all())
+        lat = latents.get(row["variant"])
+        if lat is not None:
+            row["sqnr_db"] = sqnr_db(base, lat) if base is not None else None
+            row["finite"] = bool(torch.isfinite(lat).all())
     result["variants"] = rows
-    by = {r["variant"]: r for r in rows}
+    by = {r["variant"]: r for r in rows if "error" not in r}
 
-    image_bf16, t_dec = vae_decode(c, files, base)
-    image_pack, _ = vae_decode(c, files, latents["pack_auto"])
-    result["vae"] = {"decode_s": t_dec, "image_shape": list(image_bf16.shape),
-                     "image_sqnr_pack_auto_vs_bf16_db": sqnr_db(image_bf16, image_pack)}
+    def vae_part():
+        image_bf16, t_dec = vae_decode(c, files, base)
+        image_pack, _ = vae_decode(c, files, latents["pack_auto"])
+        return {"decode_s": t_dec, "image_shape": list(image_bf16.shape),
+                "image_sqnr_pack_auto_vs_bf16_db": sqnr_db(image_bf16, image_pack)}
 
-    if c.cuda:
-        result["offload"] = run_offload(c, shape, positive, latents["pack_auto"], loaders(c, files)["pack_auto"], vram)
+    if base is not None and "pack_auto" in latents:
+        result["vae"] = guarded("vae", vae_part)
+    if c.cuda and "pack_auto" in latents:
+        result["offload"] = guarded("offload", run_offload, c, shape, positive, latents["pack_auto"],
+                                    loaders(c, files)["pack_auto"], vram)
     c.free()
     if c.cuda:
         end_alloc, end_used = vram.allocated(), vram.device_used()
@@ -750,34 +822,53 @@ def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result
                             "start_device_used_mib": start_used / 2**20, "after_free_device_used_mib": end_used / 2**20,
                             "returned": end_alloc <= start_alloc}
 
-    if not args.skip_engram:
-        result["engram"] = run_engram(c, shape, args.tiny, kept["pack_auto"], args.engram_ranks, rows_per_head)
+    if not args.skip_engram and "pack_auto" in kept:
+        result["engram"] = guarded("engram", run_engram, c, shape, args.tiny, kept["pack_auto"], args.engram_ranks,
+                                   rows_per_head)
     kept.clear()
     c.free()
 
-    stock_fp8 = [by[n] for n in ("stock_fp8_cast", "stock_fp8_fast", "stock_fp8_mixed") if by[n]["step_s"]]
-    fastest = min(stock_fp8, key=lambda r: r["step_s"])
-    pa, bf = by["pack_auto"], by["stock_bf16"]
-    ratios = {"pack_auto_speedup_vs_bf16": bf["step_s"] / pa["step_s"],
-              "pack_weight_only_speedup_vs_bf16": bf["step_s"] / by["pack_weight_only"]["step_s"],
-              "fastest_stock_fp8": fastest["variant"],
-              "pack_auto_speedup_vs_fastest_stock_fp8": fastest["step_s"] / pa["step_s"],
-              "pack_auto_sqnr_db": pa["sqnr_db"]}
-    if c.cuda:
+    def step(name):
+        return (by.get(name) or {}).get("step_s")
+
+    def speedup(base_name, name):
+        return step(base_name) / step(name) if step(base_name) and step(name) else None
+
+    stock_fp8 = [n for n in ("stock_fp8_cast", "stock_fp8_fast", "stock_fp8_mixed") if step(n)]
+    fastest = min(stock_fp8, key=step) if stock_fp8 else None
+    pa, bf = by.get("pack_auto", {}), by.get("stock_bf16", {})
+    ratios = {"pack_auto_speedup_vs_bf16": speedup("stock_bf16", "pack_auto"),
+              "pack_weight_only_speedup_vs_bf16": speedup("stock_bf16", "pack_weight_only"),
+              "fastest_stock_fp8": fastest,
+              "pack_auto_speedup_vs_fastest_stock_fp8": speedup(fastest, "pack_auto") if fastest else None,
+              "pack_auto_sqnr_db": pa.get("sqnr_db")}
+    if c.cuda and pa.get("peak_alloc_gib") and bf.get("peak_alloc_gib"):
         ratios["pack_auto_peak_vram_vs_bf16"] = pa["peak_alloc_gib"] / bf["peak_alloc_gib"]
     result["ratios"] = ratios
     if c.cuda:
-        off, unl = result["offload"], result["unload"]
-        eng = result.get("engram")
+        off, eng = result.get("offload") or {}, result.get("engram")
+
+        def at_least(v, bar):
+            return None if v is None else v >= bar
+
+        vram_ratio = ratios.get("pack_auto_peak_vram_vs_bf16")
         result["targets"] = {
-            "speed_vs_bf16_ge_1.2": ratios["pack_auto_speedup_vs_bf16"] >= 1.2,
-            "speed_ge_fastest_stock_fp8": ratios["pack_auto_speedup_vs_fastest_stock_fp8"] >= 1.0,
-            "peak_vram_le_0.6x_bf16": ratios["pack_auto_peak_vram_vs_bf16"] <= 0.6,
-            "sqnr_ge_20db": pa["sqnr_db"] >= 20.0,
-            "offload_partial": off["lowvram"], "offload_latent_equal": off["latent_equal_full"],
-            "vram_back_after_unload": unl["returned"],
-            "engram_added_le_10pct": None if not eng else (eng["ranks"] >= 4 and eng["added_fraction"] <= 0.10),
+            "speed_vs_bf16_ge_1.2": at_least(ratios["pack_auto_speedup_vs_bf16"], 1.2),
+            "speed_ge_fastest_stock_fp8": at_least(ratios["pack_auto_speedup_vs_fastest_stock_fp8"], 1.0),
+            "peak_vram_le_0.6x_bf16": None if vram_ratio is None else vram_ratio <= 0.6,
+            "sqnr_ge_20db": at_least(pa.get("sqnr_db"), 20.0),
+            "offload_partial": off.get("lowvram"), "offload_latent_equal": off.get("latent_equal_full"),
+            "vram_back_after_unload": result["unload"]["returned"],
+            "engram_added_le_10pct": None if not eng else engram_target(eng, args.engram_ranks),
         }
+
+
+def engram_target(eng: dict, want: int) -> bool:
+    """Whichever memory had `want` ranks (the node's, else the library-made one) adds at most 10 %."""
+    for m in (eng, eng.get("library_ranks") or {}):
+        if m.get("ranks", 0) >= want:
+            return m["added_fraction"] <= 0.10
+    return False
 
 
 def _finite(o):
@@ -802,15 +893,18 @@ def print_table(r: dict) -> None:
           f"({s['image_tokens']} image + {s['text_tokens']} text tokens), {s['steps']} steps; {r['device']} {r['gpu'] or ''}")
     print(f"{'variant':<18}{'load s':>8}{'1st step s':>12}{'step s':>9}{'x bf16':>8}{'peak GiB':>10}{'reserved GiB':>14}"
           f"{'SQNR dB':>9}")
-    bf = next(v for v in r["variants"] if v["variant"] == "stock_bf16")
-    for v in r["variants"]:
-        speed = bf["step_s"] / v["step_s"] if v["step_s"] else None
+    bf = next((v for v in r.get("variants", []) if v["variant"] == "stock_bf16" and "error" not in v), {})
+    for v in r.get("variants", []):
+        if "error" in v:
+            print(f"{v['variant']:<18}ERROR {v['error'][:200]}")
+            continue
+        speed = bf["step_s"] / v["step_s"] if v["step_s"] and bf.get("step_s") else None
         print(f"{v['variant']:<18}{v['load_s']:>8.2f}{v['first_step_s']:>12.2f}{fmt(v['step_s'], '.4f'):>9}"
               f"{fmt(speed, '.2f'):>8}{fmt(v['peak_alloc_gib'], '.2f'):>10}{fmt(v['peak_reserved_gib'], '.2f'):>14}"
-              f"{v['sqnr_db']:>9.1f}")
-    if "vae" in r:
+              f"{fmt(v['sqnr_db'], '>9.1f') if isinstance(v['sqnr_db'], float) else v['sqnr_db']:>9}")
+    if r.get("vae"):
         print(f"VAE decode {r['vae']['decode_s']:.2f} s; image SQNR pack_auto vs bf16 {r['vae']['image_sqnr_pack_auto_vs_bf16_db']:.1f} dB")
-    if "offload" in r:
+    if r.get("offload"):
         o = r["offload"]
         print(f"offload: reserved {o['reserved_gib']:.1f} GiB -> loaded {o['loaded_gib']:.2f} of {o['model_gib']:.2f} GiB "
               f"(partial: {o['lowvram']}), FP8 layers {o['fp8_layers_by_device']}, {o['fp8_gib_moved_per_step']:.2f} GiB FP8 "
@@ -820,13 +914,19 @@ def print_table(r: dict) -> None:
         u = r["unload"]
         print(f"unload: allocated {u['start_alloc_mib']:.1f} MiB at start -> {u['after_free_alloc_mib']:.1f} MiB after "
               f"ComfyUI's free memory (driver: {u['start_device_used_mib']:.0f} -> {u['after_free_device_used_mib']:.0f} MiB)")
-    if "engram" in r:
+    if r.get("engram"):
         e = r["engram"]
         print(f"engram ({e['encoder']}; {e['ranks']} ranks, {e['ranks_how']}): plain encode {e['plain_ms']:.2f} ms, "
               f"engram encode {e['engram_ms']:.2f} ms (+{e['added_fraction']:.1%}); conditioning moved: "
               f"{e['conditioning_moved']}; sampled: {e['sampled']}")
+        lib = e.get("library_ranks")
+        if lib:
+            print(f"engram on {lib['ranks']} ranks ({lib['how']}): plain {lib['plain_ms']:.2f} ms, engram "
+                  f"{lib['engram_ms']:.2f} ms (+{lib['added_fraction']:.1%}); conditioning moved: {lib['conditioning_moved']}")
     for item in r["skipped"]:
         print(f"skipped on the CPU: {item}")
+    for key, text in r.get("errors", {}).items():
+        print(f"FAILED {key}: {text[:500]}")
 
 
 if __name__ == "__main__":
