@@ -7,8 +7,8 @@ management, sampling and the VAE are ComfyUI's code.
 
 The model is random and made here: Flux.1-dev's layer sizes (hidden 3072, 24 heads, mlp 12288, guidance
 embedding, context 4096) at reduced depth: --double/--single blocks (Flux.1-dev has 19 and 38; the
-defaults 5/10 keep the same 1:2 ratio, about 27 % of its blocks, so per-step times scale by about 3.8 to
-the full model). 1024x1024 (4096 image tokens) with 512 text tokens, euler, a few steps, cfg 1, guidance
+defaults 5/10 keep the same 1:2 ratio, 26 % of its blocks, so per-step times scale by about 3.8 to the
+full model). 1024x1024 (4096 image tokens) with 512 text tokens, euler, a few steps, cfg 1, guidance
 3.5. Written to a temporary models folder:
   <name>_bf16.safetensors   the model in bf16
   <name>_fp8.safetensors    the same weights quantized by this pack (per-tensor e4m3fn, ComfyUI's

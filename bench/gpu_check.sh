@@ -22,6 +22,8 @@
 #   GPU_CHECK_SKIP_BENCH=1 bash bench/gpu_check.sh      # no benches (how the plumbing is tried without a GPU)
 #   GPU_CHECK_E2E_ARGS=--tiny GPU_CHECK_TESTS_K=... bash bench/gpu_check.sh   # e2e on the CPU, fewer tests
 #   PYTHON=/path/to/python bash bench/gpu_check.sh
+# Step limits (seconds): GPU_CHECK_LIMIT_TESTS (150), GPU_CHECK_LIMIT_QUANT_LINEAR (60),
+# GPU_CHECK_LIMIT_ENGRAM_FETCH (80), GPU_CHECK_LIMIT_E2E (180); each is cut to what the budget has left.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -186,7 +188,7 @@ fi
 grep -q "available True" "$WORK/env.txt" || log "WARNING: no CUDA GPU visible: the CUDA tests will skip and the benches will fail"
 
 # ----- tests -----
-step tests 150 pytest.log "$PY" -m pytest tests/unit -q -p no:cacheprovider -k "$TESTS_K" -rs \
+step tests "${GPU_CHECK_LIMIT_TESTS:-150}" pytest.log "$PY" -m pytest tests/unit -q -p no:cacheprovider -k "$TESTS_K" -rs \
     --junitxml="$WORK/pytest.xml"
 tests_rc=$?
 # The failures' own lines and the summary (the whole log is in logs.tar.gz).
@@ -203,10 +205,10 @@ run_bench() {  # name limit_s args...
     [ $rc -eq 0 ] || bench_rc=2
 }
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
-    run_bench quant_linear 60 --device cuda
-    run_bench engram_fetch 80 --device cuda
+    run_bench quant_linear "${GPU_CHECK_LIMIT_QUANT_LINEAR:-60}" --device cuda
+    run_bench engram_fetch "${GPU_CHECK_LIMIT_ENGRAM_FETCH:-80}" --device cuda
     if grep -q "comfyui in-process import ok" "$WORK/env.txt"; then
-        COMFYUI_PATH="$COMFY_TREE" run_bench e2e 180 ${GPU_CHECK_E2E_ARGS:-}
+        COMFYUI_PATH="$COMFY_TREE" run_bench e2e "${GPU_CHECK_LIMIT_E2E:-180}" ${GPU_CHECK_E2E_ARGS:-}
     else
         log "bench e2e: SKIPPED: ComfyUI does not import in-process (see env.txt; README, Development: the tree and wheels)"
         bench_rc=2
