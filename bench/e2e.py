@@ -50,6 +50,7 @@ ranks) is reported as skipped. tests/integration/test_e2e_tiny.py runs it, and c
 its T5-XXL and the Flux CLIP this script builds on the GPU are what ComfyUI detects (shapes only).
 
     python bench/e2e.py [--tiny] [--double 5] [--single 10] [--steps 8] [--skip-engram] [--keep-dir DIR]
+    python bench/e2e.py --tiny --arch flux --skip-engram   # the Flux path on the CPU (1+1 blocks: minutes)
 
 Prints a table and, as the last line, one JSON object {"bench": "e2e", ...}.
 """
@@ -702,14 +703,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engram-ranks", type=int, default=4, help="CUDA ranks sharing the GPU for the engram memory")
     p.add_argument("--rows-per-head", type=int, help="engram rows per hash head (default 65536; tiny 4096)")
     p.add_argument("--skip-engram", action="store_true")
+    p.add_argument("--arch", choices=("flux", "sd3"), help="diffusion model (default: flux; --tiny: sd3)")
     p.add_argument("--keep-dir", help="make the files here and keep them (default: a temp dir, deleted)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
 
     if args.tiny:
-        shape = Shape(arch="sd3", double=args.double or 2, single=0, image=32, text_tokens=16,
-                      steps=args.steps or 3, vec_dim=2048, engram_repeats=1)
+        flux = args.arch == "flux"  # a Flux at --tiny sizes: 1 double + 1 single block are 0.55 G parameters
+        shape = Shape(arch="flux" if flux else "sd3", double=args.double or (1 if flux else 2),
+                      single=(args.single or 1) if flux else 0, image=32, text_tokens=16, steps=args.steps or 3,
+                      vec_dim=2048, engram_repeats=1)
     else:
         shape = Shape(arch="flux", double=args.double or 5, single=args.single or 10, image=1024, text_tokens=512,
                       steps=args.steps or 8, vec_dim=768, engram_repeats=10)
