@@ -113,3 +113,54 @@ def test_the_gpu_text_encoders_are_detected_as_clip_l_and_t5_xxl(e2e_module):
 
     assert comfy.sd.detect_te_model(e2e_module.t5xxl_module().state_dict()) == comfy.sd.TEModel.T5_XXL
     assert comfy.sd.detect_te_model(e2e_module.clip_l_module().state_dict()) == comfy.sd.TEModel.CLIP_L
+
+
+def test_partial_loading_keeps_fp8_weights_and_the_result(e2e_module, tmp_path):
+    """What bench/e2e.py's offload part does on a GPU, done with ComfyUI's own partial load on the CPU: the
+    modules ComfyUI cannot fit are switched to per-call casting (lowvram), their weights stay FP8, and the
+    model's output is bit-identical to the full load's; unloading leaves every FP8 byte in place."""
+    import types
+
+    import torch
+
+    import comfy.sd
+    from fp8_engram.nodes.ops import make_fp8_ops
+    from fp8_engram.quant import ComputeConfig, QuantizedTensor, formats, save
+
+    shape = e2e_module.Shape(arch="sd3", double=2, single=0, image=32, text_tokens=16, steps=1, vec_dim=2048,
+                             engram_repeats=1)
+    sd = e2e_module.sd3_state_dict(types.SimpleNamespace(torch=torch), shape, torch.device("cpu"))
+    path = tmp_path / "tiny_fp8.safetensors"
+    save.save_state_dict(e2e_module.quantize_for_file(sd), path)
+    cfg = ComputeConfig()
+    qsd, _ = formats.load_file(str(path), config=cfg)
+    patcher = comfy.sd.load_diffusion_model_state_dict(qsd, model_options={"custom_operations": make_fp8_ops(cfg)})
+    dm = patcher.model.diffusion_model
+
+    def fp8_bytes():
+        return {n: m.weight.qdata.view(torch.uint8).clone() for n, m in dm.named_modules()
+                if isinstance(getattr(m, "weight", None), QuantizedTensor)}
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 16, 4, 4, generator=g)
+    ctx, y = torch.randn(1, 16, 4096, generator=g), torch.randn(1, 2048, generator=g)
+    t = torch.tensor([0.5])
+    before = fp8_bytes()
+    assert len(before) >= 10
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        patcher.load(cpu, lowvram_model_memory=0, full_load=True)
+        full = patcher.model.apply_model(x, t, c_crossattn=ctx, y=y)
+        patcher.unpatch_model(cpu)
+        size = patcher.model_size()
+        patcher.load(cpu, lowvram_model_memory=int(size * 0.6))  # what load_models_gpu does when VRAM is short
+        assert patcher.model.model_lowvram, "ComfyUI loaded the whole model: the budget did not bite"
+        assert 0 < patcher.loaded_size() < size
+        cast = [n for n, m in dm.named_modules() if isinstance(getattr(m, "weight", None), QuantizedTensor)
+                and getattr(m, "comfy_cast_weights", False) and hasattr(m, "prev_comfy_cast_weights")]
+        assert cast, "no FP8 layer was left to per-call casting"
+        partial = patcher.model.apply_model(x, t, c_crossattn=ctx, y=y)
+        patcher.unpatch_model(cpu)
+    assert torch.equal(partial, full), "the partially loaded model computes something else"
+    after = fp8_bytes()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
