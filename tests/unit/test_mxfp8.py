@@ -137,3 +137,14 @@ def test_mxfp8_weights_survive_torch_save_and_a_weights_only_load(tmp_path):
     torch.save({"w": qt}, tmp_path / "w.pt")
     back = torch.load(tmp_path / "w.pt", weights_only=True)["w"]
     assert back.layout == MXFP8() and torch.equal(back.dequantize(), qt.dequantize())
+
+
+def test_header_metadata_form_loads_like_the_per_layer_form(tmp_path):
+    q, codes, values = mx_weight(64, 128, seed=2)
+    meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {"fc": {"format": "mxfp8"}}})}
+    path = tmp_path / "meta.safetensors"
+    save_file({"fc.weight": q, "fc.weight_scale": tiled_by_loops(codes), "fc.bias": torch.zeros(64)}, str(path),
+              metadata=meta)
+    loaded, report = formats.load_file(str(path))
+    assert report.format == formats.COMFY_METADATA and loaded["fc.weight"].layout == MXFP8()
+    assert torch.equal(loaded["fc.weight"].dequantize(torch.float32), values.float())
