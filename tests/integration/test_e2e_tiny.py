@@ -2,7 +2,8 @@
 
 The script runs as the GPU check runs it (a subprocess of the ComfyUI tree's python, COMFYUI_PATH set), with
 tiny shapes; its last line is checked. The Flux-sized models it builds on a GPU are too big for the CPU, so
-their geometry is checked here on the meta device against ComfyUI's own model detection.
+their geometry is checked here on the meta device against ComfyUI's own model detection. The offloading it
+measures on a GPU (ComfyUI's partial load) is exercised here on the CPU: the bookkeeping, FP8 kept, same output.
 
 Thresholds: latent SQNR of the FP8 variants vs the bf16 run >= 20 dB (the issue's bar), image >= 20 dB."""
 
