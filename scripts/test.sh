@@ -7,5 +7,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh" --browser
 cd "$root"
-python="$("$root/.venv/bin/python" "$root/scripts/comfyhost.py" paths | sed -n 's/^python=//p')"
+paths="$("$root/.venv/bin/python" "$root/scripts/comfyhost.py" paths)"
+echo "[test] $(echo "$paths" | tr '\n' ' ')" >&2
+python="$(echo "$paths" | sed -n 's/^python=//p')"
 exec "$python" -m pytest "$@"
