@@ -79,7 +79,7 @@ def _fp8_model_and_clip() -> dict:
     return {
         "unet": {
             "class_type": "FP8Engram.LoadFP8DiffusionModel",
-            "inputs": {"unet_name": UNET_FP8, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"},
+            "inputs": {"unet_name": UNET_FP8, "compute_path": "auto", "activation_scaling": "auto", "compute_dtype": "auto"},
         },
         "clip": _clip(),
         "report": {"class_type": "FP8Engram.WeightReport", "inputs": {"model": ["unet", 0]}},
