@@ -22,8 +22,8 @@
 #   GPU_CHECK_SKIP_BENCH=1 bash bench/gpu_check.sh      # no benches (how the plumbing is tried without a GPU)
 #   GPU_CHECK_E2E_ARGS=--tiny GPU_CHECK_TESTS_K=... bash bench/gpu_check.sh   # e2e on the CPU, fewer tests
 #   PYTHON=/path/to/python bash bench/gpu_check.sh
-# Step limits (seconds): GPU_CHECK_LIMIT_TESTS (150), GPU_CHECK_LIMIT_QUANT_LINEAR (60),
-# GPU_CHECK_LIMIT_ENGRAM_FETCH (80), GPU_CHECK_LIMIT_E2E (180); each is cut to what the budget has left.
+# Step limits (seconds): GPU_CHECK_LIMIT_TESTS (150), GPU_CHECK_LIMIT_QUANT_LINEAR (90),
+# GPU_CHECK_LIMIT_ENGRAM_FETCH (90), GPU_CHECK_LIMIT_E2E (180); each is cut to what the budget has left.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -205,8 +205,8 @@ run_bench() {  # name limit_s args...
     [ $rc -eq 0 ] || bench_rc=2
 }
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
-    run_bench quant_linear "${GPU_CHECK_LIMIT_QUANT_LINEAR:-60}" --device cuda
-    run_bench engram_fetch "${GPU_CHECK_LIMIT_ENGRAM_FETCH:-80}" --device cuda
+    run_bench quant_linear "${GPU_CHECK_LIMIT_QUANT_LINEAR:-90}" --device cuda
+    run_bench engram_fetch "${GPU_CHECK_LIMIT_ENGRAM_FETCH:-90}" --device cuda
     if grep -q "comfyui in-process import ok" "$WORK/env.txt"; then
         COMFYUI_PATH="$COMFY_TREE" run_bench e2e "${GPU_CHECK_LIMIT_E2E:-180}" ${GPU_CHECK_E2E_ARGS:-}
     else
