@@ -34,9 +34,10 @@ CONTEXT, POOLED = 4096, 2048
 
 
 def comfy_root() -> Path:
+    """COMFYUI_PATH, else the 0.3.75 tree of scripts/setup.sh (scripts/comfyhost.py's rule)."""
     if os.environ.get("COMFYUI_PATH"):
         return Path(os.environ["COMFYUI_PATH"])
-    return Path((ROOT / ".host" / "comfyui_path").read_text().strip())
+    return ROOT / ".host" / "comfyui"
 
 
 def setup_paths():
