@@ -24,6 +24,7 @@ import torch
 
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
+from ..quant import mxfp8
 from ..quant.layouts import release_workspace
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                 w = state_dict.pop(key, None)
                 if w is not None:
                     if isinstance(w, QuantizedTensor):
+                        # 0.29 stores MXFP8 layers padded to multiples of 32; the model's size is the true one
+                        w = mxfp8.at_shape(w, (self.out_features, self.in_features))
                         if w.config is None:
                             w = w.with_config(FP8Ops.fp8_config)
                         if self.factory_device is not None:

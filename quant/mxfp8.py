@@ -13,6 +13,13 @@ column c. `unswizzle` and `swizzle` convert between that and the plain `[rows, b
 In memory the pack keeps MXFP8 weights as `MXFP8()`, a `Block(1, 32)` whose scales are the same powers
 of two as float32 (exact), so every existing path applies: dequantization (bit-exact with
 comfy-kitchen's, since multiplying by a power of two rounds only once) and the weight-only linear.
+Layers whose sizes are not multiples of 32: 0.29 pads the weight (rows and columns, with zeros) to
+multiples of 32 and records the true size nowhere in the file: its Linear knows it from the model
+definition and cuts the dequantized weight back. The reader here keeps the padded shape (the file
+alone cannot tell), and `at_shape` cuts a weight to the size the model declares when the load reaches
+that layer; the cut keeps every real value, so results match 0.29's. `file_tensors` writes a weight
+back in 0.29's padded form (zero data, zero scale codes in the padding, as 0.29's quantizer makes it).
+
 The fp8 x fp8 "native" MX matmul (Blackwell's block-scaled tensor cores) is not used: those weights run
 weight-only everywhere. Pure torch; never imports ComfyUI.
 """
@@ -31,7 +38,7 @@ E8M0_BIAS = 127
 _TILE_ROWS, _TILE_COLS = 128, 4
 
 __all__ = ["MXFP8", "BLOCK", "e8m0_to_float32", "float32_to_e8m0", "unswizzle", "swizzle", "scales_from_file",
-           "scales_for_file", "padded_shape"]
+           "scales_for_file", "padded_shape", "padded_weight_shape", "is_mxfp8", "at_shape", "file_tensors"]
 
 
 @dataclass(frozen=True)
@@ -134,3 +141,54 @@ def scales_for_file(scale: torch.Tensor) -> torch.Tensor:
     codes = swizzle(float32_to_e8m0(scale))
     e8m0 = getattr(torch, "float8_e8m0fnu", None)
     return codes.view(e8m0) if e8m0 is not None else codes
+
+
+def is_mxfp8(t) -> bool:
+    """Whether `t` is a QuantizedTensor (or anything with a `layout`) in the MXFP8 layout."""
+    return isinstance(getattr(t, "layout", None), MXFP8)
+
+
+def padded_weight_shape(shape) -> tuple[int, int]:
+    """The [out, in] shape 0.29 stores a weight of logical `shape` at: both rounded up to 32."""
+    out, inp = (int(v) for v in shape)
+    return BLOCK * math.ceil(out / BLOCK), BLOCK * math.ceil(inp / BLOCK)
+
+
+def at_shape(w, shape):
+    """An MXFP8 weight read from a file at 0.29's padded shape, cut to the model's `shape` [out, in].
+
+    Returns `w` itself when it is not MXFP8, already has `shape`, or is not the padded form of `shape`
+    (the caller then reports the mismatch). The cut keeps the first `out` rows, `in` columns and
+    `ceil(in / 32)` block scales: every real value with its own scale, so the dequantized weight is
+    0.29's dequantized weight without the padding."""
+    want = tuple(int(v) for v in shape)
+    if not is_mxfp8(w) or len(want) != 2 or tuple(w.shape) == want:
+        return w
+    if tuple(w.shape) != padded_weight_shape(want):
+        return w
+    out, inp = want
+    qdata = w.qdata[:out, :inp]
+    if not qdata.is_contiguous():
+        qdata = qdata.contiguous()
+    scale = w.scale[:out, : math.ceil(inp / BLOCK)].contiguous()
+    return type(w).from_parts(qdata, scale, w.layout, orig_dtype=w.orig_dtype, input_scale=w.input_scale,
+                              config=w.config)
+
+
+def file_tensors(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP8 weight (e4m3fn `[out, in]`, float32 scales `[out, ceil(in / 32)]`) in 0.29's on-disk form:
+    the data zero-padded to multiples of 32 both ways, the scales as tiled UE8M0 bytes. The exact
+    inverse of reading the file (`scales_from_file`) and cutting it (`at_shape`)."""
+    if qdata.dtype != torch.float8_e4m3fn or qdata.dim() != 2:
+        raise QuantizationError(f"an MXFP8 weight is 2-D float8_e4m3fn, got {qdata.dtype} {list(qdata.shape)}")
+    out, inp = qdata.shape
+    nb = math.ceil(inp / BLOCK)
+    if tuple(scale.shape) != (out, nb):
+        raise QuantizationError(f"MXFP8 scales for a weight of shape {[out, inp]} must have shape {[out, nb]}, "
+                                f"got {list(scale.shape)}")
+    pr, pc = padded_weight_shape((out, inp))
+    if (pr, pc) != (out, inp):
+        padded = torch.zeros(pr, pc, dtype=torch.uint8, device=qdata.device)
+        padded[:out, :inp] = qdata.view(torch.uint8)
+        qdata = padded.view(torch.float8_e4m3fn)
+    return qdata, scales_for_file(scale)
