@@ -10,6 +10,11 @@ Encoding of a `QuantizedTensor` weight `<layer>.weight`:
 - per row / block-wise: `.weight` + `.weight_scale` shaped `[out, 1]` or `[ceil(out/r), ceil(in/c)]`
   and `quantization_config` metadata with the block size. Stock ComfyUI cannot apply these scales
   (`SaveResult.stock_comfy_readable` is False); this pack's reader (`formats.load_file`) can.
+- MXFP8 (`quant.mxfp8.MXFP8`): ComfyUI 0.29's own per-layer "mxfp8" form, which 0.29 loads as it
+  loads its own files: `.weight` (e4m3fn, zero-padded to multiples of 32 both ways), `.weight_scale`
+  (UE8M0 bytes, F8_E8M0, in cuBLAS's 128x4 tiled order), `.comfy_quant` `{"format": "mxfp8"}`. Per-tensor
+  layers in the same file get their `.comfy_quant` too, so 0.29 reads every layer. ComfyUI 0.3.75 has
+  no MXFP8: a file for it must be quantized per tensor (the notes say so).
 Other tensors are written as they are. Writes stream tensor by tensor into a temporary file in the
 target folder, then move into place; an existing file is never replaced unless `overwrite=True`.
 """
@@ -43,13 +48,15 @@ def is_quantized(t) -> bool:
 
 def layout_kind(layout) -> tuple[str, tuple[int, int] | None]:
     name = type(layout).__name__
+    if name == "MXFP8":  # a Block(1, 32) with power-of-two scales, stored in 0.29's own form
+        return "mxfp8", None
     if name == "PerTensor":
         return "tensor", None
     if name == "PerRow":
         return "row", None
     if name == "Block":
         return "block", (int(layout.rows), int(layout.cols))
-    raise ValueError(f"unknown QuantizedTensor layout {layout!r}; expected PerTensor, PerRow or Block")
+    raise ValueError(f"unknown QuantizedTensor layout {layout!r}; expected PerTensor, PerRow, Block or MXFP8")
 
 
 @dataclass
@@ -270,6 +277,9 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
     if quantized and all_tensor and all(infos[k][0] == torch.float8_e5m2 for k in quantized):
         legacy_dtype = torch.float8_e5m2
     stock = all_tensor and (legacy_dtype is not None or all(infos[k][0] == torch.float8_e4m3fn for k in quantized))
+    has_mx = any(kinds[k][0] == "mxfp8" for k in quantized)
+    # every layer in a form ComfyUI 0.29 reads per layer (per-tensor e4m3fn/e5m2 and MXFP8)
+    kitchen = has_mx and all(kinds[k][0] in ("tensor", "mxfp8") for k in quantized)
     blocks = {kinds[k][1] for k in quantized if kinds[k][0] == "block"}
     slot: dict = {}
 
@@ -301,6 +311,9 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
         kind, block = kinds[key]
         g = kind if block is None else f"block {block[0]}x{block[1]}"
         grans[g] = grans.get(g, 0) + 1
+        if kind == "mxfp8":
+            _add_mxfp8(add, layer, key, qt_of, shape, has_in)
+            continue
         add(key, (lambda k=key: qt_of(k).qdata), fp8, shape)
         if legacy_dtype is not None:
             add(layer + ".scale_weight", (lambda k=key: qt_of(k).scale.float().reshape(())), torch.float32, ())
@@ -311,10 +324,11 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
         add(layer + ".weight_scale", (lambda k=key, s=sshape: qt_of(k).scale.float().reshape(s)), torch.float32, sshape)
         if has_in:
             add(layer + ".input_scale", (lambda k=key: qt_of(k).input_scale.float().reshape(())), torch.float32, ())
-        if kind == "tensor" and stock:
+        if kind == "tensor" and (stock or kitchen):
             fmt = str(fp8).removeprefix("torch.")
-            meta_layers[layer] = {"format": fmt}
-            if comfy_quant:
+            if stock:
+                meta_layers[layer] = {"format": fmt}
+            if comfy_quant or kitchen:
                 blob = json.dumps({"format": fmt}).encode("utf-8")
                 add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
     metadata: dict[str, str] = {}
@@ -328,12 +342,42 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
     if len(blocks) == 1:
         r, c = next(iter(blocks))
         metadata["quantization_config"] = json.dumps({"quant_method": "fp8", "weight_block_size": [r, c]})
-    if quantized and not stock:
+    if has_mx:
+        notes.append("mxfp8 layers: written in ComfyUI 0.29's own per-layer form, which 0.29 and newer load; "
+                     "ComfyUI 0.3.75 (and any ComfyUI without MXFP8) cannot read them: for those, quantize the "
+                     "model per tensor" + ("" if kitchen else "; row-wise and block-wise layers of this file "
+                                            "need this pack's loaders"))
+    elif quantized and not stock:
         notes.append("stock ComfyUI cannot apply row-wise or block-wise scales (or mixed e4m3fn/e5m2 layers): "
                      "load this file with this pack's loaders")
     metadata["fp8_engram"] = json.dumps({"version": 1, "granularity": grans})
     info = {"layers": len(quantized), "granularities": grans, "stock": stock, "notes": notes}
     return entries, producers, metadata, info
+
+
+def _add_mxfp8(add, layer: str, key: str, qt_of, shape, has_in: bool) -> None:
+    """The entries of one MXFP8 layer in 0.29's form (see the module docstring)."""
+    from .mxfp8 import BLOCK, file_tensors, padded_shape, padded_weight_shape, scales_for_file
+
+    if len(shape) != 2:
+        raise ValueError(f"MXFP8 weight '{key}' has shape {list(shape)}; expected [out, in]")
+    wshape = padded_weight_shape(shape)
+    sshape = padded_shape(shape[0], math.ceil(shape[1] / BLOCK))
+    e8m0 = getattr(torch, "float8_e8m0fnu", torch.uint8)
+
+    def weight(k=key):
+        qt = qt_of(k)
+        return file_tensors(qt.qdata, qt.scale)[0]
+
+    def scale(k=key):
+        return scales_for_file(qt_of(k).scale)
+
+    add(key, weight, torch.float8_e4m3fn, wshape)
+    add(layer + ".weight_scale", scale, e8m0, sshape)
+    if has_in:
+        add(layer + ".input_scale", (lambda k=key: qt_of(k).input_scale.float().reshape(())), torch.float32, ())
+    blob = json.dumps({"format": "mxfp8"}).encode("utf-8")
+    add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
 
 
 _SOURCE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from fp8_engram.quant import QuantizedTensor, formats
+from fp8_engram.quant import PerTensor, QuantizedTensor, formats
 from fp8_engram.quant.mxfp8 import MXFP8, e8m0_to_float32, float32_to_e8m0, scales_from_file, swizzle, unswizzle
 
 pytestmark = pytest.mark.unit
@@ -148,3 +148,93 @@ def test_header_metadata_form_loads_like_the_per_layer_form(tmp_path):
     loaded, report = formats.load_file(str(path))
     assert report.format == formats.COMFY_METADATA and loaded["fc.weight"].layout == MXFP8()
     assert torch.equal(loaded["fc.weight"].dequantize(torch.float32), values.float())
+
+
+# ---- odd sizes: 0.29 pads to multiples of 32; the model's Linear gives the true size -------------------
+
+def padded_file_form(w: torch.Tensor):
+    """Reference for 0.29's padded on-disk form, from its definition: zero-pad to multiples of 32, take
+    the smallest power-of-two scale per 1 x 32 block (code 0 for an all-zero block), tile with loops."""
+    out, inp = w.shape
+    pr, pc = -(-out // 32) * 32, -(-inp // 32) * 32
+    x = torch.zeros(pr, pc, dtype=torch.float32)
+    x[:out, :inp] = w.float()
+    amax = x.reshape(pr, pc // 32, 32).abs().amax(-1)
+    exp = torch.ceil(torch.log2((amax / 448).clamp_min(2.0 ** -127))).clamp(-127, 127)
+    codes = torch.where(amax > 0, exp + 127, torch.zeros_like(exp)).to(torch.uint8)
+    s = torch.where(amax > 0, torch.exp2(exp), torch.ones_like(exp))
+    q = (x.reshape(pr, pc // 32, 32) / s[..., None]).clamp(-448, 448).reshape(pr, pc).to(torch.float8_e4m3fn)
+    return q, tiled_by_loops(codes)
+
+
+@pytest.mark.parametrize("shape", [(50, 70), (33, 64), (64, 45), (1, 1), (130, 200)])
+def test_odd_sized_layer_is_cut_to_the_model_size_without_changing_a_value(tmp_path, shape):
+    from fp8_engram.quant.mxfp8 import at_shape, padded_weight_shape
+
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    w = torch.randn(*shape, generator=g) * 0.05
+    q, tiled = padded_file_form(w)
+    cq = torch.tensor(list(json.dumps({"format": "mxfp8"}).encode()), dtype=torch.uint8)
+    path = tmp_path / "odd.safetensors"
+    save_file({"l.weight": q, "l.weight_scale": tiled, "l.comfy_quant": cq}, str(path))
+    loaded, _ = formats.load_file(str(path))
+    padded = loaded["l.weight"]
+    assert padded.shape == padded_weight_shape(shape) == tuple(q.shape)  # the file alone cannot tell
+    cut = at_shape(padded, shape)
+    assert cut.shape == shape and cut.layout == MXFP8() and cut.scale.shape == (shape[0], -(-shape[1] // 32))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(cut.dequantize(dtype), padded.dequantize(dtype)[: shape[0], : shape[1]])
+    assert sqnr(w, cut.dequantize(torch.float32)) >= 28.0
+    # not the padded form of the asked size, or not MXFP8: left alone for the caller to report
+    assert at_shape(padded, (shape[0] + 40, shape[1])) is padded
+    assert at_shape(cut, shape) is cut
+    per_tensor = QuantizedTensor.from_float(w, PerTensor())
+    assert at_shape(per_tensor, (1, 1)) is per_tensor
+
+
+# ---- saving: 0.29's mxfp8 per-layer form, the exact inverse of the reader ------------------------------
+
+@pytest.mark.parametrize("shape", [(64, 128), (50, 70), (130, 200)])
+def test_saved_mxfp8_layers_are_in_029_form_and_load_back_bit_exactly(tmp_path, shape):
+    from safetensors import safe_open
+
+    from fp8_engram.quant import save
+    from fp8_engram.quant.mxfp8 import at_shape, padded_weight_shape
+
+    g = torch.Generator().manual_seed(sum(shape))
+    w = (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+    w[0, :] = 0  # an all-zero row: its blocks keep their scale through the file
+    qt = QuantizedTensor.from_float(w, MXFP8())
+    sd = {"l.weight": qt, "l.bias": torch.randn(shape[0], generator=g).to(torch.bfloat16),
+          "t.weight": QuantizedTensor.from_float(torch.randn(64, 32, generator=g), PerTensor())}
+    path = tmp_path / "saved.safetensors"
+    res = save.save_state_dict(sd, path)
+    assert res.granularities == {"mxfp8": 1, "tensor": 1} and not res.stock_comfy_readable
+    assert any("mxfp8" in n and "per tensor" in n for n in res.notes)
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        disk_q = f.get_tensor("l.weight")
+        disk_s = f.get_tensor("l.weight_scale")
+        assert json.loads(bytes(f.get_tensor("l.comfy_quant").tolist())) == {"format": "mxfp8"}
+        assert json.loads(bytes(f.get_tensor("t.comfy_quant").tolist())) == {"format": "float8_e4m3fn"}
+    assert "l.input_scale" not in keys
+    # the bytes 0.29's quantizer gives for the same weight (by its definition above), padding included;
+    # only all-zero blocks differ: 0.29 writes code 0 there, the pack keeps its scale 1 (code 127), and
+    # zero times either is zero
+    ref_q, ref_tiled = padded_file_form(w)
+    assert disk_q.dtype == torch.float8_e4m3fn and tuple(disk_q.shape) == padded_weight_shape(shape)
+    assert torch.equal(disk_q.view(torch.uint8), ref_q.view(torch.uint8))
+    ours_tiled = disk_s.view(torch.uint8)
+    assert ours_tiled.shape == ref_tiled.shape
+    differ = ours_tiled != ref_tiled
+    assert bool((ref_tiled[differ] == 0).all()) and bool((ours_tiled[differ] == 127).all())
+    assert int(differ.sum()) == -(-shape[1] // 32)  # the zero row's blocks, nothing else
+    # and back into the pack: the same bytes and scales, and the same bits dequantized
+    loaded, report = formats.load_file(str(path))
+    assert report.granularities == {"mxfp8": 1, "tensor": 1}
+    back = at_shape(loaded["l.weight"], shape)
+    assert back.shape == shape
+    assert torch.equal(back.qdata.view(torch.uint8), qt.qdata.view(torch.uint8)) and torch.equal(back.scale, qt.scale)
+    assert torch.equal(back.dequantize(torch.bfloat16), qt.dequantize(torch.bfloat16))
+    assert torch.equal(loaded["t.weight"].qdata.view(torch.uint8), sd["t.weight"].qdata.view(torch.uint8))
+    assert torch.equal(loaded["l.bias"], sd["l.bias"])
