@@ -372,6 +372,8 @@ class SaveFP8Model(io.ComfyNode):
         msg = (f"saved output/{where}\n{result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} FP8 layers; "
                f"{dtype_note}.\n"
                + ("Stock ComfyUI's Load Diffusion Model reads it unchanged." if result.stock_comfy_readable else
+                  "Its MXFP8 layers are in ComfyUI 0.29's own form: stock ComfyUI 0.29 and newer read them; "
+                  "ComfyUI 0.3.75 cannot (for it, quantize per tensor)." if "mxfp8" in result.granularities else
                   "Stock ComfyUI cannot read its row/block-wise scales: load it with Load FP8 Diffusion Model."))
         summary = report.summary()
         summary["layers_total"] = report.linear_weights

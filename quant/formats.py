@@ -651,7 +651,10 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     stock = all(i.granularity == "tensor" and i.source in (PLAIN, COMFY_SCALED, COMFY_METADATA) and
                 (i.source != COMFY_METADATA or i.fp8_dtype == torch.float8_e4m3fn) for i in layers.values())
     notes = []
-    if not stock:
+    if any(i.granularity == "mxfp8" for i in layers.values()):
+        notes.append("mxfp8 layers (ComfyUI 0.29's own form): stock ComfyUI 0.29 and newer read them, 0.3.75 cannot "
+                     "(for it, quantize per tensor)")
+    elif not stock:
         notes.append("stock ComfyUI 0.3.75 ignores the scales of this file's row/block/per-layer formats; load it with this pack")
     fp8_mm = not any(i.full_precision_mm for i in layers.values())
     if not fp8_mm:
