@@ -106,3 +106,100 @@ def test_legacy_files_converted_by_029_load_like_the_originals(c29, tmp_path, le
             assert torch.equal(_bits(a.qdata), _bits(qt.qdata)) and torch.equal(a.scale, qt.scale), key
         else:
             assert torch.equal(a, qt), key
+
+
+# ---- MXFP8 layers whose sizes are not multiples of 32 --------------------------------------------------
+
+def _odd_sd() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(29)
+    sd = {
+        "blocks.0.proj.weight": torch.randn(50, 70, generator=g),    # both sizes padded by 0.29
+        "blocks.0.proj.bias": torch.randn(50, generator=g) * 0.1,
+        "blocks.0.out.weight": torch.randn(96, 45, generator=g),     # input size only
+        "blocks.0.head.weight": torch.randn(33, 64, generator=g),    # output size only
+        "blocks.0.even.weight": torch.randn(64, 128, generator=g),   # no padding
+    }
+    return {k: v.to(torch.bfloat16) for k, v in sd.items()}
+
+
+def _dequant_029(c29, qt29, dtype) -> torch.Tensor:
+    """0.29's own dequantization of its QuantizedTensor in `dtype`, cut to the layer's size by 0.29."""
+    params = type(qt29._params)(**{**qt29._params.__dict__, "orig_dtype": dtype})
+    return type(qt29)(qt29._qdata, qt29._layout_cls, params).dequantize()
+
+
+def test_odd_sized_mxfp8_layers_written_by_029_load_at_their_true_size(c29, tmp_path):
+    """0.29 pads such layers to multiples of 32 in the file and keeps the true size only in its model;
+    the pack cuts them to the size the model declares (`mxfp8.at_shape`, what Load FP8 Diffusion
+    Model's Linear does) and then holds exactly 0.29's weights: its FP8 bytes without the padding,
+    and bit for bit 0.29's dequantized weight in every dtype."""
+    from fp8_engram.quant import QuantizedTensor, formats
+    from fp8_engram.quant.mxfp8 import MXFP8, at_shape
+
+    sd = _odd_sd()
+    written, theirs = stock_write(c29, sd, "mxfp8")
+    assert tuple(written["blocks.0.proj.weight"].shape) == (64, 96)  # 0.29's padding, as the file holds it
+    path = tmp_path / "stock029_mxfp8_odd.safetensors"
+    save_file({k: v.contiguous() for k, v in written.items()}, str(path))
+    ours, report = formats.load_file(str(path))
+    assert report.layers_quantized == len(theirs) == 4
+    for key, qt29 in theirs.items():
+        true = tuple(sd[key].shape)
+        assert tuple(qt29.shape) == true
+        qt = at_shape(ours[key], true)
+        assert isinstance(qt, QuantizedTensor) and qt.layout == MXFP8() and qt.shape == true, key
+        assert torch.equal(_bits(qt.qdata), _bits(qt29._qdata[: true[0], : true[1]])), f"{key}: FP8 bytes differ"
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            ref = _dequant_029(c29, qt29, dtype)
+            assert ref.shape == true
+            assert torch.equal(_bits(qt.dequantize(dtype)), _bits(ref)), f"{key} {dtype}: dequantized weights differ"
+    assert torch.equal(ours["blocks.0.proj.bias"], sd["blocks.0.proj.bias"])
+
+
+def _029_layer(c29, tensors: dict, layer: str, shape) -> torch.nn.Module:
+    """Load one layer of a file the way stock 0.29 loads a model's Linear (its mixed-precision ops)."""
+    ops = c29.ops.mixed_precision_ops(compute_dtype=torch.bfloat16)
+    lin = ops.Linear(shape[1], shape[0], bias=f"{layer}.bias" in tensors)
+    part = {k[len(layer) + 1:]: v for k, v in tensors.items() if k.startswith(layer + ".")}
+    lin.load_state_dict(part, strict=False)
+    return lin
+
+
+def test_mxfp8_files_the_pack_saves_load_in_029_bit_exactly(c29, tmp_path):
+    """Save FP8 Model's writer on MXFP8 weights (odd and even sizes) beside a per-tensor layer: stock
+    0.29 loads every layer in its own classes (MXFP8 and E4M3 layouts, the file's FP8 bytes) and
+    dequantizes to exactly the pack's weights (MXFP8 in every dtype; per tensor in float32, where the
+    math is the same); the pack reads the file back to the same bytes and scales."""
+    from fp8_engram.quant import PerTensor, QuantizedTensor, formats, save
+    from fp8_engram.quant.mxfp8 import MXFP8, at_shape
+
+    sd = _odd_sd()
+    state = {k: (QuantizedTensor.from_float(v, MXFP8()) if fp8_files.default_quantize(k, v) else v) for k, v in sd.items()}
+    state["blocks.1.tensor.weight"] = QuantizedTensor.from_float(sd["blocks.0.even.weight"], PerTensor())
+    path = tmp_path / "pack_mxfp8.safetensors"
+    res = save.save_state_dict(state, path)
+    assert res.granularities == {"mxfp8": 4, "tensor": 1}
+    tensors = load_file(str(path))
+    for key, qt in state.items():
+        if not isinstance(qt, QuantizedTensor):
+            continue
+        layer = key[: -len(".weight")]
+        lin = _029_layer(c29, tensors, layer, qt.shape)
+        w29 = lin.weight
+        assert isinstance(w29, c29.qo.QuantizedTensor), f"0.29 did not load {layer} as quantized"
+        assert tuple(w29.shape) == tuple(qt.shape)
+        mx = isinstance(qt.layout, MXFP8)
+        assert lin.quant_format == ("mxfp8" if mx else "float8_e4m3fn")
+        out, inp = qt.shape
+        assert torch.equal(_bits(w29._qdata[:out, :inp]), _bits(qt.qdata)), f"{key}: 0.29 holds other FP8 bytes"
+        for dtype in ((torch.float32, torch.bfloat16, torch.float16) if mx else (torch.float32,)):
+            ref = _dequant_029(c29, w29, dtype)
+            assert torch.equal(_bits(ref), _bits(qt.dequantize(dtype))), f"{key} {dtype}: 0.29 dequantizes otherwise"
+        if "blocks.0.proj.bias" in tensors and layer == "blocks.0.proj":
+            assert torch.equal(lin.bias, sd["blocks.0.proj.bias"])
+    back, report = formats.load_file(str(path))
+    assert report.granularities == {"mxfp8": 4, "tensor": 1}
+    for key, qt in state.items():
+        if isinstance(qt, QuantizedTensor):
+            b = at_shape(back[key], qt.shape)
+            assert torch.equal(_bits(b.qdata), _bits(qt.qdata)) and torch.equal(b.scale, qt.scale), key
