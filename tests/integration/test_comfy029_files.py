@@ -154,6 +154,20 @@ def test_odd_sized_mxfp8_layers_written_by_029_load_at_their_true_size(c29, tmp_
             assert ref.shape == true
             assert torch.equal(_bits(qt.dequantize(dtype)), _bits(ref)), f"{key} {dtype}: dequantized weights differ"
     assert torch.equal(ours["blocks.0.proj.bias"], sd["blocks.0.proj.bias"])
+    # the pack's own Linear (Load FP8 Diffusion Model's ops) takes the padded weight at the model's size
+    from fp8_engram.nodes.ops import make_fp8_ops
+
+    lin = make_fp8_ops().Linear(70, 50, bias=True)
+    missing, unexpected = lin.load_state_dict({"weight": ours["blocks.0.proj.weight"],
+                                               "bias": ours["blocks.0.proj.bias"]}, strict=False)
+    assert not missing and not unexpected and tuple(lin.weight.shape) == (50, 70)
+    x = torch.randn(3, 70, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ref = x.double() @ _dequant_029(c29, theirs["blocks.0.proj.weight"], torch.float32).double().t()
+    ref = ref + sd["blocks.0.proj.bias"].double()
+    y = lin(x)
+    assert y.shape == (3, 50)
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert err < 0.01, f"weight-only linear on the cut weight: relative error {err:.4f} vs 0.29's weights"
 
 
 def _029_layer(c29, tensors: dict, layer: str, shape) -> torch.nn.Module:
