@@ -6,6 +6,11 @@ serializer; on older ComfyUI (which has no MXFP8) made by the pack's MXFP8 layou
 on-disk form. The pack runs it weight-only. Thresholds: sampled latent vs the full-precision model
 > 20 dB (2 euler steps); on 0.29, vs stock UNETLoader on the same file > 35 dB (the same weights, only
 the compute differs).
+
+Saving: the MXFP8 model loaded by the pack and written by Save FP8 Model is the same file, tensor for
+tensor and bit for bit (0.29's own per-layer form: padded weight, tiled UE8M0 scales, comfy_quant);
+on 0.29 stock UNETLoader samples exactly the same latent from the saved file as from the original;
+the node says that 0.3.75 cannot read MXFP8 and that per tensor is the form for it.
 """
 
 from __future__ import annotations
@@ -90,3 +95,34 @@ def test_mxfp8_file_loads_in_the_pack_and_samples_like_full_precision(comfy, out
         q_stock = sqnr(stock, ours)
         print(f"MXFP8 through the pack vs stock 0.29 on the same file: {q_stock:.1f} dB")
         assert q_stock > 35.0
+
+
+def test_saved_mxfp8_model_is_the_same_file_and_loads_in_stock_029(comfy, output_dir, models_dir, mxfp8_file):
+    src = models_dir / "diffusion_models" / NAME
+    prefix = "mxfp8save/m"
+    hist = comfy.run({
+        "1": {"class_type": "FP8Engram.LoadFP8DiffusionModel",
+              "inputs": {"unet_name": NAME, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"}},
+        "2": {"class_type": "FP8Engram.SaveFP8Model", "inputs": {"model": ["1", 0], "filename_prefix": prefix}},
+    })
+    text = hist["outputs"]["2"]["text"][0]
+    assert "0.3.75 cannot" in text and "per tensor" in text, text
+    files = sorted(output_dir.glob(prefix + "_*.safetensors"))
+    assert len(files) == 1, files
+    saved = files[0]
+    original, written = load_file(str(src)), load_file(str(saved))
+    assert set(written) == set(original), sorted(set(written) ^ set(original))
+    for key, t in original.items():
+        w = written[key]
+        assert w.dtype == t.dtype and w.shape == t.shape, (key, w.dtype, t.dtype, w.shape, t.shape)
+        assert torch.equal(w.view(torch.uint8) if w.element_size() == 1 else w,
+                           t.view(torch.uint8) if t.element_size() == 1 else t), f"{key} differs after load and save"
+    if not mxfp8_file:
+        return  # ComfyUI without MXFP8: the pack reads it back (above); the stock loader cannot
+    copy = models_dir / "diffusion_models" / "mxfp8_saved_by_pack.safetensors"
+    copy.write_bytes(saved.read_bytes())
+    stock = {"class_type": "UNETLoader", "inputs": {"unet_name": NAME, "weight_dtype": "default"}}
+    again = {"class_type": "UNETLoader", "inputs": {"unet_name": copy.name, "weight_dtype": "default"}}
+    a, _ = _latent(comfy, output_dir, stock, "mx_stock_orig")
+    b, _ = _latent(comfy, output_dir, again, "mx_stock_saved")
+    assert torch.equal(a, b), f"stock 0.29 samples differently from the saved file: {sqnr(a, b):.1f} dB"
