@@ -20,6 +20,7 @@ Output of `NgramHasher.hash_layer`: int32 [tokens, entries]; `hash` stacks layer
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
@@ -66,6 +67,33 @@ def is_prime(n: int) -> bool:
     return True
 
 
+# (lowest, highest) accepted value of each HashConfig field. Generous for real memories (DeepSeek's
+# Engram uses orders up to 3-4 and 8 heads; the nodes offer at most order 6, 32 heads, 2^26 rows per head),
+# small enough that a hostile file cannot make the prime search or the tables take long or much memory.
+HASH_LIMITS: dict[str, tuple[int, int]] = {
+    "num_layers": (1, 8),
+    "vocab_sizes": (1, 1 << 24),
+    "max_order": (2, 8),
+    "heads": (1, 64),
+    "rows_per_head": (2, 1 << 28),
+    "seed": (0, _MASK64),
+}
+
+
+def _check_int(name: str, value, low: int, high: int) -> None:
+    """Raise ValueError naming `name` unless value is an integer (not a bool or float) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        try:
+            text = repr(value)[:60]
+        except Exception:  # noqa: BLE001 - a value that cannot even be shown
+            text = type(value).__name__
+        raise ValueError(f"{name} must be an integer, got {text}")
+    value = int(value)
+    if not low <= value <= high:
+        shown = str(value) if abs(value) < 10**30 else f"a {value.bit_length()}-bit integer"
+        raise ValueError(f"{name} = {shown} is out of range (allowed {low}..{high})")
+
+
 @dataclass(frozen=True)
 class HashConfig:
     """Hashing parameters of a memory; everything needed to reproduce its row ids.
@@ -81,18 +109,22 @@ class HashConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"an engram memory needs at least one layer, got {self.num_layers}")
+        # Every field is checked against a bound before anything is computed from it: a table file is
+        # untrusted input, and these values drive how many primes are searched and how many rows exist.
+        for name in ("num_layers", "max_order", "heads", "rows_per_head", "seed"):
+            _check_int(name, getattr(self, name), *HASH_LIMITS[name])
+        if not isinstance(self.vocab_sizes, tuple):
+            raise ValueError(f"vocab_sizes must be a list of integers, got {type(self.vocab_sizes).__name__}")
         if len(self.vocab_sizes) != self.num_layers:
             raise ValueError(f"vocab_sizes has {len(self.vocab_sizes)} entries for {self.num_layers} layers")
-        if any(v < 1 for v in self.vocab_sizes):
-            raise ValueError(f"vocab_sizes must be positive, got {self.vocab_sizes}")
-        if self.max_order < 2:
-            raise ValueError(f"max_order must be at least 2 (orders 2..N), got {self.max_order}")
-        if self.heads < 1:
-            raise ValueError(f"heads must be at least 1, got {self.heads}")
-        if self.rows_per_head < 2:
-            raise ValueError(f"rows_per_head must be at least 2, got {self.rows_per_head}")
+        for v in self.vocab_sizes:
+            _check_int("vocab_sizes", v, *HASH_LIMITS["vocab_sizes"])
+        rows = (self.max_order - 1) * self.heads * self.rows_per_head
+        if rows > _INT32_MAX:
+            raise ValueError(
+                f"(max_order - 1) * heads * rows_per_head = {self.max_order - 1} * {self.heads} * {self.rows_per_head} "
+                f"= {rows} rows per layer, more than int32 row ids can address; lower rows_per_head or heads"
+            )
 
     @property
     def entries(self) -> int:
@@ -110,13 +142,20 @@ class HashConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "HashConfig":
+        """The config of a `to_dict` object (e.g. a table file's metadata). Raises KeyError for a missing
+        key and ValueError naming the key for a value of the wrong type or out of its bounds."""
+        vocab = data["vocab_sizes"]
+        if not isinstance(vocab, (list, tuple)):
+            raise ValueError(f"vocab_sizes must be a list of integers, got {type(vocab).__name__}")
+        if len(vocab) > HASH_LIMITS["num_layers"][1]:
+            raise ValueError(f"vocab_sizes has {len(vocab)} entries, at most {HASH_LIMITS['num_layers'][1]} layers are allowed")
         return cls(
-            num_layers=int(data["num_layers"]),
-            vocab_sizes=tuple(int(v) for v in data["vocab_sizes"]),
-            max_order=int(data["max_order"]),
-            heads=int(data["heads"]),
-            rows_per_head=int(data["rows_per_head"]),
-            seed=int(data["seed"]),
+            num_layers=data["num_layers"],
+            vocab_sizes=tuple(vocab),
+            max_order=data["max_order"],
+            heads=data["heads"],
+            rows_per_head=data["rows_per_head"],
+            seed=data["seed"],
         )
 
 

@@ -45,6 +45,40 @@ class EngramMemoryError(ValueError):
     """A memory used with input it was not built for (another tokenizer, width, or conditioning)."""
 
 
+# Bounds of the stream metadata a table file may carry (the hashing's are HASH_LIMITS in hashing.py).
+MAX_HIDDEN = 1 << 16  # row width; T5-XXL's 4096 is the widest in use
+MAX_STREAMS = 8
+MAX_COLUMN = 1 << 20
+
+
+def _shown(value: Any) -> str:
+    """A short printable form of a metadata value of any size."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"a {value.bit_length()}-bit integer"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _layout_from_metadata(streams: Mapping[str, Any]) -> StreamLayout:
+    """StreamLayout.from_dict with every value checked first (ValueError naming the key)."""
+    items = streams["streams"]
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_STREAMS:
+        raise ValueError(f"streams.streams must be a list of 1..{MAX_STREAMS} streams, got {_shown(items)}")
+    if not isinstance(streams["family"], str):
+        raise ValueError(f"streams.family must be a string, got {_shown(streams['family'])}")
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise ValueError(f"streams.streams[{i}] must be an object, got {_shown(item)}")
+        for key in ("name", "token_key"):
+            if not isinstance(item[key], str):
+                raise ValueError(f"streams.streams[{i}].{key} must be a string, got {_shown(item[key])}")
+        for key, low, high in (("col_start", 0, MAX_COLUMN), ("width", 1, MAX_HIDDEN)):
+            value = item[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"streams.streams[{i}].{key} must be an integer in {low}..{high}, got {_shown(value)}")
+    return StreamLayout.from_dict(streams)
+
+
 @dataclass(frozen=True)
 class MemoryConfig:
     layout: StreamLayout
@@ -76,21 +110,42 @@ class MemoryConfig:
 
     @classmethod
     def from_metadata(cls, hashing: Mapping[str, Any] | None, streams: Mapping[str, Any] | None, source: str = "table file") -> "MemoryConfig":
+        """The config stored in a table file's metadata. Every value is type- and range-checked before
+        anything is computed from it; a bad one raises EngramMemoryError naming `source` and the key."""
         if not isinstance(hashing, Mapping) or hashing.get("format") != MEMORY_FORMAT:
             raise EngramMemoryError(f"{source}: no engram memory metadata (expected hashing.format = {MEMORY_FORMAT!r})")
-        if int(hashing.get("format_version", -1)) > MEMORY_FORMAT_VERSION:
-            raise EngramMemoryError(f"{source}: memory format version {hashing.get('format_version')} is newer than this pack reads")
+        version = hashing.get("format_version", -1)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise EngramMemoryError(f"{source}: bad engram memory metadata: hashing.format_version must be an integer, got {_shown(version)}")
+        if version > MEMORY_FORMAT_VERSION:
+            raise EngramMemoryError(f"{source}: memory format version (hashing.format_version) {_shown(version)} is newer than this pack reads")
         if not isinstance(streams, Mapping):
             raise EngramMemoryError(f"{source}: no stream layout in the metadata")
         try:
+            hash_config = HashConfig.from_dict(hashing)
+        except KeyError as exc:
+            raise EngramMemoryError(f"{source}: bad engram memory metadata: hashing.{exc.args[0]} is missing") from exc
+        except (TypeError, ValueError) as exc:
+            raise EngramMemoryError(f"{source}: bad engram memory metadata: hashing.{exc}") from exc
+        hidden = hashing.get("hidden")
+        if isinstance(hidden, bool) or not isinstance(hidden, int) or not 1 <= hidden <= MAX_HIDDEN:
+            raise EngramMemoryError(f"{source}: bad engram memory metadata: hashing.hidden must be an integer in 1..{MAX_HIDDEN}, got {_shown(hidden)}")
+        fingerprints = hashing.get("fingerprints", {})
+        if not isinstance(fingerprints, Mapping) or len(fingerprints) > MAX_STREAMS:
+            raise EngramMemoryError(f"{source}: bad engram memory metadata: hashing.fingerprints must be an object of at most "
+                                    f"{MAX_STREAMS} entries, got {_shown(fingerprints)}")
+        try:
+            layout = _layout_from_metadata(streams)
             return cls(
-                layout=StreamLayout.from_dict(streams),
-                hashing=HashConfig.from_dict(hashing),
-                hidden=int(hashing["hidden"]),
-                fingerprints={str(k): str(v) for k, v in dict(hashing.get("fingerprints", {})).items()},
+                layout=layout,
+                hashing=hash_config,
+                hidden=hidden,
+                fingerprints={str(k): str(v) for k, v in fingerprints.items()},
                 gate=bool(hashing.get("gate", False)),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except KeyError as exc:
+            raise EngramMemoryError(f"{source}: bad engram memory metadata: streams: {exc.args[0]} is missing") from exc
+        except (TypeError, ValueError) as exc:
             raise EngramMemoryError(f"{source}: bad engram memory metadata: {exc}") from exc
 
     def rows_per_layer(self, num_ranks: int = 1) -> list[int]:
@@ -105,10 +160,26 @@ def config_from_table_file(path: str) -> tuple[MemoryConfig, dict]:
 
     with TableFile(path) as f:
         meta = f.metadata
+        rows_in_file = list(f.rows_per_layer)  # checked against the file's size by TableFile
     config = MemoryConfig.from_metadata(meta.get("hashing"), meta.get("streams"), source=str(path))
     geometry = meta.get("geometry") or {}
     if int(geometry.get("hidden", config.hidden)) != config.hidden:
         raise EngramMemoryError(f"{path}: rows are {geometry.get('hidden')} wide but the memory metadata says {config.hidden}")
+    # The hashing decides how many rows the tables get; the file must hold them (its geometry is checked
+    # against its size by TableFile), so a file cannot make a loader allocate more than it stores.
+    if len(rows_in_file) != config.hashing.num_layers:
+        raise EngramMemoryError(f"{path}: the memory metadata (hashing.num_layers) says {config.hashing.num_layers} layers, "
+                                f"the file's tables have {len(rows_in_file)}")
+    try:
+        needed = NgramHasher(config.hashing).rows_needed
+    except ValueError as exc:  # the primes took the row count past int32
+        raise EngramMemoryError(f"{path}: bad engram memory metadata (hashing.rows_per_head, heads, max_order): {exc}") from exc
+    for layer, (n_have, n_need) in enumerate(zip(rows_in_file, needed)):
+        if n_have < n_need:
+            raise EngramMemoryError(
+                f"{path}: the memory metadata (hashing.rows_per_head, heads, max_order) needs {n_need} rows in "
+                f"layer {layer}, but the file's tables hold {n_have}"
+            )
     return config, geometry
 
 

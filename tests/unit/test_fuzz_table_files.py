@@ -162,3 +162,125 @@ def test_fuzzed_table_files_end_in_a_named_error_or_a_correct_read(files, tmp_pa
     assert not outcomes.failures, "\n".join(outcomes.failures[:40])
     totals = outcomes.totals()
     assert totals.get("named_error", 0) > 100 and totals.get("loaded", 0) > 5
+
+
+# --- the memory metadata (engram.hashing / engram.streams) of a loadable memory file ---------------------
+# A file can set how many primes the loader searches and how many rows the tables get: every such value
+# must be bounded and refused at once with an error naming the file and the key (issue 14: heads of 10^7
+# or max_order 10^6 made Load Engram Memory run for > 20 s; a text format_version was a bare ValueError).
+
+METADATA_CASE_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def memory_file(tmp_path_factory):
+    from fp8_engram.engram.hashing import HashConfig
+    from fp8_engram.engram.memory import MemoryConfig
+    from fp8_engram.engram.streams import Stream, StreamLayout
+
+    config = MemoryConfig(StreamLayout("sd1", (Stream("clip_l", "l", 0, 64),)),
+                          HashConfig(num_layers=1, vocab_sizes=(500,), max_order=3, heads=2, rows_per_head=16, seed=3), hidden=64)
+    hashing, streams = config.to_metadata()
+    rows = config.rows_per_layer()
+    path = tmp_path_factory.mktemp("memory_src") / "memory.safetensors"
+    write_table_file(path, [torch.zeros(n, 64, dtype=torch.bfloat16) for n in rows], hashing=hashing, streams=streams)
+    return path
+
+
+def _memory_metadata_cases(raw: bytes) -> list[tuple[str, str, str, str]]:
+    """(case name, metadata key, new JSON text, word the error must contain)."""
+    header, _ = fz.split(raw)
+    hashing = json.loads(header["__metadata__"]["engram.hashing"])
+    streams = json.loads(header["__metadata__"]["engram.streams"])
+
+    def h(key, value, raw_text=None):
+        if raw_text is not None:  # a JSON token json.dumps would not write (NaN, Infinity)
+            return json.dumps({**hashing, key: "@@"}).replace('"@@"', raw_text)
+        return json.dumps({**hashing, key: value})
+
+    def s(key, value):
+        return json.dumps({**streams, "streams": [{**streams["streams"][0], key: value}]})
+
+    cases = []
+    for key in ("heads", "max_order", "rows_per_head", "num_layers", "seed"):
+        huge = {"rows_per_head": 10**12, "seed": 1 << 64}.get(key, 10**7)
+        for name, value in (("huge", huge), ("enormous", 10**400),
+                            ("negative", -1), ("zero", 0), ("float", 2.5), ("text", "8"), ("bool", True), ("list", [8])):
+            if key == "seed" and name == "zero":
+                continue  # seed 0 is valid
+            cases.append((f"{key}_{name}", "engram.hashing", h(key, value), key))
+    cases += [
+        ("heads_1e7_exact", "engram.hashing", h("heads", 10_000_000), "heads"),
+        ("max_order_1e6", "engram.hashing", h("max_order", 1_000_000), "max_order"),
+        ("heads_nan", "engram.hashing", h("heads", None, "NaN"), "heads"),
+        ("heads_infinity", "engram.hashing", h("heads", None, "Infinity"), "heads"),
+        ("rows_past_int32", "engram.hashing", h("rows_per_head", 1 << 28), "rows_per_head"),
+        ("rows_more_than_file", "engram.hashing", h("rows_per_head", 1 << 20), "rows_per_head"),
+        ("heads_more_than_file", "engram.hashing", h("heads", 40), "heads"),
+        ("vocab_huge", "engram.hashing", h("vocab_sizes", [1 << 40]), "vocab_sizes"),
+        ("vocab_long", "engram.hashing", h("vocab_sizes", [500] * 100000), "vocab_sizes"),
+        ("vocab_text", "engram.hashing", h("vocab_sizes", "500"), "vocab_sizes"),
+        ("vocab_missing", "engram.hashing", json.dumps({k: v for k, v in hashing.items() if k != "vocab_sizes"}), "vocab_sizes"),
+        ("hidden_huge", "engram.hashing", h("hidden", 1 << 40), "hidden"),
+        ("hidden_text", "engram.hashing", h("hidden", "64"), "hidden"),
+        ("fingerprints_list", "engram.hashing", h("fingerprints", ["x"]), "fingerprints"),
+        ("fingerprints_many", "engram.hashing", h("fingerprints", {str(i): "x" for i in range(100000)}), "fingerprints"),
+        ("format_version_text", "engram.hashing", h("format_version", "one"), "format_version"),
+        ("format_version_float", "engram.hashing", h("format_version", 1.5), "format_version"),
+        ("format_version_huge", "engram.hashing", h("format_version", 10**400), "format_version"),
+        ("format_version_list", "engram.hashing", h("format_version", [1]), "format_version"),
+        ("streams_many", "engram.streams", json.dumps({**streams, "streams": streams["streams"] * 100000}), "streams"),
+        ("streams_text", "engram.streams", json.dumps({**streams, "streams": "clip_l"}), "streams"),
+        ("streams_missing", "engram.streams", json.dumps({"family": "sd1"}), "streams"),
+        ("family_list", "engram.streams", json.dumps({**streams, "family": ["sd1"]}), "family"),
+        ("family_unknown", "engram.streams", json.dumps({**streams, "family": "sd9"}), "family"),
+        ("width_huge", "engram.streams", s("width", 1 << 40), "width"),
+        ("width_wider_than_rows", "engram.streams", s("width", 65), "wider"),
+        ("width_zero", "engram.streams", s("width", 0), "width"),
+        ("col_start_negative", "engram.streams", s("col_start", -5), "col_start"),
+        ("col_start_huge", "engram.streams", s("col_start", 10**300), "col_start"),
+        ("col_start_text", "engram.streams", s("col_start", "0"), "col_start"),
+        ("name_number", "engram.streams", s("name", 7), "name"),
+        ("stream_not_object", "engram.streams", json.dumps({**streams, "streams": [3]}), "streams"),
+    ]
+    return cases
+
+
+def test_good_memory_file_loads_its_config(memory_file):
+    from fp8_engram.engram.memory import config_from_table_file
+
+    config, geometry = config_from_table_file(str(memory_file))
+    assert (config.hashing.heads, config.hashing.max_order, config.hashing.rows_per_head) == (2, 3, 16)
+    assert config.rows_per_layer() == geometry["rows_per_layer"]
+
+
+def test_hostile_memory_metadata_is_refused_at_once_naming_the_file_and_key(memory_file, tmp_path, artifacts_dir):
+    from fp8_engram.engram.memory import EngramMemoryError, config_from_table_file
+
+    raw = memory_file.read_bytes()
+    cases = _memory_metadata_cases(raw)
+    assert len(cases) >= 60
+    target = tmp_path / "hostile_memory.safetensors"
+    failures, times = [], {}
+    with fz.memory_ceiling(1 << 30):
+        for name, key, text, word in cases:
+            header, body = fz.split(raw)
+            header["__metadata__"][key] = text
+            target.write_bytes(fz.join(header, body))
+            t0 = time.perf_counter()
+            try:
+                config_from_table_file(str(target))
+            except (EngramMemoryError, TableFileError) as exc:
+                message = str(exc)
+                if str(target) not in message or word not in message:
+                    failures.append(f"{name}: the error does not name the file and {word!r}: {message[:300]}")
+            except Exception as exc:  # noqa: BLE001 - any other exception is the bug this test looks for
+                failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
+            else:
+                failures.append(f"{name}: loaded, but only an error is right")
+            times[name] = time.perf_counter() - t0
+            if times[name] > METADATA_CASE_S:
+                failures.append(f"{name}: took {times[name]:.2f} s")
+    record = {"cases": len(cases), "failures": len(failures), "slowest_s": round(max(times.values()), 4)}
+    (artifacts_dir / "fuzz_memory_metadata.json").write_text(json.dumps(record, indent=1))
+    assert not failures, "\n".join(failures)

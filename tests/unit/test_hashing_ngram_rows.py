@@ -129,3 +129,34 @@ def test_bad_input():
 FIXED_ROWS_TOKEN0 = [834, 1263, 2996, 3326, 4938, 6076, 7070, 7514]
 FIXED_ROWS_TOKEN3 = [266, 1930, 2876, 3797, 4498, 5718, 6203, 8100]
 FIXED_MULTIPLIER_L1K0 = 177094046168351
+
+
+def test_every_field_is_bounded_and_checked_before_any_work():
+    import time
+
+    from fp8_engram.engram.hashing import HASH_LIMITS
+
+    good = CFG.to_dict()
+    for key, value in (("heads", 10_000_000), ("max_order", 1_000_000), ("rows_per_head", 1 << 40), ("num_layers", 10**6),
+                       ("seed", -1), ("seed", 1 << 64), ("heads", 2.0), ("heads", "8"), ("max_order", True)):
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match=key):
+            HashConfig.from_dict({**good, key: value})
+        assert time.perf_counter() - t0 < 0.1
+    with pytest.raises(ValueError, match="vocab_sizes"):
+        HashConfig.from_dict({**good, "vocab_sizes": [1 << 30, 5]})
+    with pytest.raises(ValueError, match="vocab_sizes"):
+        HashConfig.from_dict({**good, "vocab_sizes": [5] * 10**6})
+    # the largest accepted config is still quick to build a hasher for (the prime search is bounded)
+    low, high = HASH_LIMITS["heads"]
+    biggest = HashConfig(num_layers=3, vocab_sizes=(49408,) * 3, max_order=HASH_LIMITS["max_order"][1], heads=high,
+                         rows_per_head=_INT32_LIMIT // ((HASH_LIMITS["max_order"][1] - 1) * high) - 20000)
+    t0 = time.perf_counter()
+    hasher = NgramHasher(biggest)
+    assert time.perf_counter() - t0 < 5.0 and max(hasher.rows_needed) <= _INT32_LIMIT
+    # real sizes stay allowed: DeepSeek-like order 4, 8 heads, tens of millions of rows per layer
+    real = HashConfig(num_layers=2, vocab_sizes=(49408, 32100), max_order=4, heads=8, rows_per_head=1 << 21)
+    assert sum(NgramHasher(real).rows_needed) > 80_000_000
+
+
+_INT32_LIMIT = (1 << 31) - 1
