@@ -271,6 +271,25 @@ def _sqnr_plot(report) -> torch.Tensor:
     return (arr.float() / 255.0).unsqueeze(0)
 
 
+def _own_weights(model):
+    """The weights `model` itself computes with, before weight patches, whatever is loaded right now.
+
+    The clones of one ComfyUI model share its torch module: while another clone is loaded its object
+    patches (e.g. the FP8 weights of an earlier Quantize Model) or its in-place weight patches (a LoRA)
+    sit in that module, with the originals kept in the backups every clone shares. Reading the module
+    as it is would quantize someone else's weights, or find them FP8 already and quantize nothing."""
+    backup = getattr(model, "backup", {})
+
+    def weight_of(name: str, layer: torch.nn.Module):
+        key = f"diffusion_model.{name}.weight"
+        w = model.get_model_object(key)  # this clone's object patch, else the original of a patched one
+        if key not in model.object_patches and key in backup and w is getattr(layer, "weight", None):
+            w = backup[key].weight  # a clone's weight patches are applied in place: the original
+        return w
+
+    return weight_of
+
+
 class QuantizeModelToFP8(io.ComfyNode):
     """Quantizes a MODEL's linear weights to FP8 in memory and reports SQNR per layer."""
 
@@ -304,7 +323,7 @@ class QuantizeModelToFP8(io.ComfyNode):
         keep = [p.strip() for p in keep_patterns.replace("\n", ",").split(",") if p.strip()]
         diffusion = model.get_model_object("diffusion_model")
         new, report = quantize_module(diffusion, granularity=granularity, fp8_dtype=fp8_dtype, keep=keep,
-                                      progress=_progress_fn())
+                                      progress=_progress_fn(), weight_of=_own_weights(model))
         out = model.clone()
         release_workspace_on_unload(out)
         for key, qt in new.items():

@@ -215,11 +215,15 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
 def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8_dtype="e4m3fn",
                     keep: Iterable[str] = DEFAULT_KEEP, block: tuple[int, int] = (128, 128),
                     stochastic_rounding: int | None = None, progress: ProgressFn | None = None,
-                    config=None, prefix: str = "") -> tuple[dict[str, torch.Tensor], QuantizeReport]:
+                    config=None, prefix: str = "",
+                    weight_of: Callable[[str, torch.nn.Module], object] | None = None,
+                    ) -> tuple[dict[str, torch.Tensor], QuantizeReport]:
     """Quantize the weights of every `torch.nn.Linear` in `module` (the module is not changed).
 
     Returns ({"<prefix><module path>.weight": QuantizedTensor}, report). Keep patterns match the module
-    path without `prefix`.
+    path without `prefix`. `weight_of(module path, layer)` gives the weight to quantize when the one the
+    layer holds right now may not be the model's own (a module shared by several patched copies of a
+    model, as in ComfyUI); by default the layer's `weight`.
     """
     fp8 = fp8_dtype_from_name(fp8_dtype)
     layout = make_layout(granularity, block)
@@ -229,7 +233,7 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
     linears = [(n, m) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) or _looks_linear(m)]
     new: dict[str, torch.Tensor] = {}
     for i, (name, m) in enumerate(linears):
-        w = getattr(m, "weight", None)
+        w = weight_of(name, m) if weight_of is not None else getattr(m, "weight", None)
         if not isinstance(w, torch.Tensor) or not is_linear_weight(name + ".weight", w):
             continue
         why = keep_reason(name, keep)

@@ -110,3 +110,22 @@ def test_picked_dtype_is_used(comfy, output_dir, models_dir):
     comfy.run(graph)
     kinds = dtypes_of(saved_file(output_dir, prefix))
     assert {d for k, d in kinds.items() if k.endswith(".bias")} == {"F32"}
+
+
+def test_requantizing_a_cached_model_with_other_settings_quantizes_the_original_weights(comfy, output_dir):
+    """A user quantizes a model, then changes the granularity and runs again: the loader's MODEL comes from
+    ComfyUI's cache, and the first prompt's FP8 weights are still patched into the module it shares with
+    the second. The second quantization must read the original weights, not find nothing left to quantize."""
+    loader = {"class_type": "UNETLoader", "inputs": {"unet_name": TINY_UNET, "weight_dtype": "default"}}
+    first, first_prefix = save_graph(loader, quantize=True)
+    comfy.run(first)
+    second, second_prefix = save_graph(loader, quantize=True)
+    second["20"]["inputs"]["granularity"] = "row"
+    hist = comfy.run(second)
+    assert hist["outputs"]["20"]["fp8_quality"][0]["layers"] > 0
+    kinds = dtypes_of(saved_file(output_dir, second_prefix))
+    assert {d for k, d in kinds.items() if k.endswith(".weight") and d.startswith("F8")} == {"F8_E4M3"}
+    first_report = formats.inspect_file(saved_file(output_dir, first_prefix))
+    second_report = formats.inspect_file(saved_file(output_dir, second_prefix))
+    assert second_report.layers_quantized == first_report.layers_quantized > 0
+    assert set(second_report.granularities) == {"row"}, second_report.granularities
