@@ -393,17 +393,36 @@ def _check_interrupt_or_close(store) -> None:
         raise
 
 
-def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int):
+def cuda_rank_devices(gpu_ranks: int, device_count: int) -> list[int]:
+    """The GPU of every CUDA rank: `gpu_ranks` = 0 gives one rank per GPU; N > 0 gives N ranks spread
+    round-robin over the GPUs (rank r on GPU r % device_count, as EngramGroup places them), so several
+    ranks may share one GPU."""
+    if device_count < 1:
+        raise ValueError("no CUDA GPU to place engram ranks on")
+    if isinstance(gpu_ranks, bool) or not isinstance(gpu_ranks, int) or gpu_ranks < 0:
+        raise ValueError(f"gpu_ranks must be 0 (one rank per GPU) or a positive number of ranks, got {gpu_ranks!r}")
+    count = gpu_ranks if gpu_ranks > 0 else device_count
+    return [r % device_count for r in range(count)]
+
+
+def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int, gpu_ranks: int = 0):
     if devices == "auto" and torch.cuda.is_available():
         from ..engram.group import EngramGroup
 
-        ranks = torch.cuda.device_count()
+        ranks = len(cuda_rank_devices(gpu_ranks, torch.cuda.device_count()))
         return EngramGroup(rows_per_layer_fn(ranks), hidden, dtype, num_ranks=ranks, device="cuda")
     if cpu_ranks == 1:
         return LocalRowStore(rows_per_layer_fn(1), hidden, dtype)
     from ..engram.group import EngramGroup
 
     return EngramGroup(rows_per_layer_fn(cpu_ranks), hidden, dtype, num_ranks=cpu_ranks, device="cpu")
+
+
+_GPU_RANKS_TOOLTIP = ("CUDA processes holding the shards when devices = auto finds a GPU. 0: one per GPU. N: N processes "
+                      "spread round-robin over the GPUs (rank r on GPU r mod GPU count), so several can share one GPU. "
+                      "Not used on the CPU.")
+_DEVICES_TOOLTIP = ("auto: shards on the GPUs (gpu_ranks processes; one per GPU by default), or cpu_ranks CPU processes "
+                    "when there is no GPU; cpu: cpu_ranks CPU processes.")
 
 
 _HEALTH_PERIOD_S = 0.25  # how often a long node (Engram Train) looks at its memory's workers
@@ -458,7 +477,8 @@ class NewEngramMemory(io.ComfyNode):
             display_name="New Engram Memory",
             category=ENGRAM_CATEGORY,
             description="Makes an empty n-gram memory for this CLIP's text encoders (one table per encoder "
-            "stream), sharded over every GPU (devices = auto) or over N CPU processes. Re-running with the same "
+            "stream), sharded over the GPUs (devices = auto: one process per GPU, or gpu_ranks processes sharing them) "
+            "or over N CPU processes. Re-running with the same "
             "settings reuses the tables and workers and empties them. If a worker process dies, the next run "
             "makes a new memory (what was written is lost unless saved with Save Engram Memory).",
             inputs=[
@@ -467,22 +487,23 @@ class NewEngramMemory(io.ComfyNode):
                 io.Int.Input("heads", default=8, min=1, max=32, tooltip="Hash heads per n-gram order (more heads: fewer harmful collisions, more rows)."),
                 io.Int.Input("rows_per_head", default=65536, min=16, max=1 << 26, tooltip="Table rows per hash head (rounded up to a prime)."),
                 io.Combo.Input("dtype", options=list(_DTYPES), default="bf16", tooltip="Table storage: bf16, or FP8 E4M3 with per-128 UE8M0 scales (half the memory)."),
-                io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip="auto: one shard per GPU (CPU processes when there is no GPU); cpu: cpu_ranks CPU processes."),
+                io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip=_DEVICES_TOOLTIP),
                 io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip="CPU processes holding the shards when no GPU is used (1 = in the ComfyUI process)."),
                 io.Boolean.Input("context_gate", default=False, tooltip="Scale each token's memory value by how well it agrees with the token's conditioning."),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False, tooltip="Seed of the hash multipliers (a memory is only valid with its seed)."),
+                io.Int.Input("gpu_ranks", default=0, min=0, max=64, optional=True, tooltip=_GPU_RANKS_TOOLTIP),
             ],
             outputs=[EngramMemoryType.Output(display_name="memory", tooltip="The empty engram memory.")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, **kwargs):
+    def fingerprint_inputs(cls, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks=0, **kwargs):
         # A memory this node made and that was written since (Memorize, Train) is no longer the empty
         # memory this node promises: run again (reusing and clearing its tables) so the graph's result
         # does not depend on what earlier runs wrote. A memory that was closed or lost a worker must not
         # be served from ComfyUI's cache either: run again to build a new one.
-        settings = _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed)
+        settings = _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks)
         memory = _by_settings.get((_current_node_id(), settings))
         if memory is None:
             return "clean"
@@ -493,12 +514,12 @@ class NewEngramMemory(io.ComfyNode):
         return "clean"
 
     @classmethod
-    def execute(cls, clip, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed) -> io.NodeOutput:
+    def execute(cls, clip, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks=0) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
         layout = _clip_layout(clip)
         tokenizers = _clip_tokenizers(clip)
         config, vocabs = make_config(layout, tokenizers, max_order=max_order, heads=heads, rows_per_head=rows_per_head, seed=seed, gate=context_gate)
-        key = ("new", config.to_metadata().__repr__(), dtype, devices, cpu_ranks)
+        key = ("new", config.to_metadata().__repr__(), dtype, devices, cpu_ranks, gpu_ranks)
 
         def wrap(store, state=None):
             memory = EngramMemory(config, store, vocabs)
@@ -508,7 +529,7 @@ class NewEngramMemory(io.ComfyNode):
             return _adopt(memory, node_id, key)
 
         def make():
-            store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks)
+            store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks)
             try:
                 _check_interrupt_or_close(store)
                 return wrap(store)
@@ -521,7 +542,7 @@ class NewEngramMemory(io.ComfyNode):
 
         memory, lost = _replace_live(node_id, key, make, reuse, wrap)
         memory.clean_version = memory.version
-        _by_settings[(str(node_id), _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed))] = memory
+        _by_settings[(str(node_id), _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks))] = memory
         _bind(memory, clip)
         text = repr(memory)
         if lost is not None and lost.startswith("lost"):
@@ -556,8 +577,9 @@ class LoadEngramMemory(io.ComfyNode):
             "it from the file when a worker process died.",
             inputs=[
                 io.Combo.Input("memory_name", options=_engram_files(), tooltip="A table file in models/engram (written by Save Engram Memory)."),
-                io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip="auto: one shard per GPU (CPU processes when there is no GPU); cpu: cpu_ranks CPU processes."),
+                io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip=_DEVICES_TOOLTIP),
                 io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip="CPU processes holding the shards when no GPU is used (1 = in the ComfyUI process)."),
+                io.Int.Input("gpu_ranks", default=0, min=0, max=64, optional=True, tooltip=_GPU_RANKS_TOOLTIP),
                 io.Clip.Input("clip", optional=True, tooltip="Optional: the CLIP the memory was made with (checked now instead of at first use)."),
             ],
             outputs=[EngramMemoryType.Output(display_name="memory", tooltip="The loaded engram memory.")],
@@ -565,12 +587,12 @@ class LoadEngramMemory(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, memory_name, devices="auto", cpu_ranks=1, **kwargs):
+    def fingerprint_inputs(cls, memory_name, devices="auto", cpu_ranks=1, gpu_ranks=0, **kwargs):
         path = folder_paths.get_full_path(FOLDER, memory_name)
         if not path or not os.path.exists(path):
             return float("nan")
         mtime = os.path.getmtime(path)
-        memory = _live_memory(_current_node_id(), ("load", path, mtime, devices, cpu_ranks))
+        memory = _live_memory(_current_node_id(), ("load", path, mtime, devices, cpu_ranks, gpu_ranks))
         if memory is None:
             return mtime
         if _problem(memory) is not None:
@@ -580,12 +602,12 @@ class LoadEngramMemory(io.ComfyNode):
         return mtime
 
     @classmethod
-    def execute(cls, memory_name, devices, cpu_ranks, clip=None) -> io.NodeOutput:
+    def execute(cls, memory_name, devices, cpu_ranks, clip=None, gpu_ranks=0) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
         path = folder_paths.get_full_path_or_raise(FOLDER, memory_name)
         config, geometry = config_from_table_file(path)
         dtype = torch.float8_e4m3fn if geometry.get("dtype") == "float8_e4m3fn" else torch.bfloat16
-        key = ("load", path, os.path.getmtime(path), devices, cpu_ranks)
+        key = ("load", path, os.path.getmtime(path), devices, cpu_ranks, gpu_ranks)
 
         def wrap(store, state=None):
             memory = EngramMemory(config, store)
@@ -597,7 +619,7 @@ class LoadEngramMemory(io.ComfyNode):
             return _adopt(memory, node_id, key)
 
         def make():
-            store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks)
+            store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks)
             try:
                 _check_interrupt_or_close(store)
                 store.load_table_file(path)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from comfyhost import WorkflowError, comfyui_root
-from helpers.graphs import sd3_txt2img
+from helpers.graphs import TINY_CLIP_L, sd3_txt2img
 from safetensors.torch import load_file
 
 PHRASE = "glowing crystal apple"  # 3 CLIP tokens
@@ -233,3 +233,58 @@ def test_engram_apply_on_existing_conditioning_equals_text_encode(comfy):
     assert sim_result(history, "51")["identical"] is True
     assert sim_result(history, "52")["identical"] is False
     assert hit_words(history, "50") == ["crystal", "apple"]
+
+
+def test_gpu_ranks_input_is_offered_with_a_tooltip(comfy):
+    """New and Load Engram Memory take `gpu_ranks` (0 = one CUDA rank per GPU, N = N ranks sharing the GPUs),
+    optional so that graphs saved before it still run."""
+    info = comfy.object_info()
+    for name in ("NewEngramMemory", "LoadEngramMemory"):
+        spec = info[f"FP8Engram.{name}"]["input"]
+        assert "gpu_ranks" not in spec["required"], name
+        kind, options = spec["optional"]["gpu_ranks"]
+        assert kind == "INT" and options["default"] == 0 and options["min"] == 0 and options["max"] >= 4, (name, options)
+        assert "round-robin" in options["tooltip"] and "0: one per GPU" in options["tooltip"], options["tooltip"]
+        assert "gpu_ranks" in spec["required"]["devices"][1]["tooltip"], name
+
+
+def test_cuda_rank_placement():
+    from helpers.host import comfy_in_process
+
+    comfy_in_process()
+    from fp8_engram.nodes.engram import cuda_rank_devices
+
+    assert cuda_rank_devices(0, 1) == [0]  # the default: one rank per GPU, as before
+    assert cuda_rank_devices(0, 3) == [0, 1, 2]
+    assert cuda_rank_devices(4, 1) == [0, 0, 0, 0]  # four ranks sharing the one GPU
+    assert cuda_rank_devices(5, 2) == [0, 1, 0, 1, 0]  # round-robin, as EngramGroup places rank r
+    assert cuda_rank_devices(1, 8) == [0]
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="gpu_ranks"):
+            cuda_rank_devices(bad, 1)
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        cuda_rank_devices(2, 0)
+
+
+def test_gpu_ranks_leave_cpu_memories_alone_and_a_change_rebuilds(comfy):
+    """Without a GPU, gpu_ranks changes nothing about the memory (cpu_ranks decides); changing it still makes
+    a new memory (its own setting), and the same settings again serve the same workers."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU behaviour: the server would put the ranks on the GPU here")
+
+    def run(**extra) -> dict:
+        graph = {"2": {"class_type": "CLIPLoader", "inputs": {"clip_name": TINY_CLIP_L, "type": "sd3"}}}
+        graph["30"] = new_memory(ranks=2, rows_per_head=1031)
+        graph["30"]["inputs"].update(devices="auto", **extra)
+        graph["31"] = encode(["30", 0], WITH_PHRASE)
+        graph["32"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": WITH_PHRASE}}
+        graph["33"] = similarity(["31", 0], ["32", 0])  # an output node, so the graph runs
+        return comfy.run(graph)["outputs"].get("30", {})
+
+    plain = run()
+    shared = run(gpu_ranks=4)
+    assert len(plain["worker_pids"]) == len(shared["worker_pids"]) >= 1  # 2 CPU ranks both times
+    assert shared["worker_pids"] != plain["worker_pids"]  # a changed setting made a new memory
+    assert shared["text"][0].split("version=")[0] == plain["text"][0].split("version=")[0]
+    again = run(gpu_ranks=4)
+    assert again.get("worker_pids", shared["worker_pids"]) == shared["worker_pids"]  # unchanged: the same memory
