@@ -231,9 +231,20 @@ def test_killed_idle_worker_of_an_empty_memory_is_rebuilt_by_the_next_prompt(com
     started = time.monotonic()
     second = comfy.run(graph)  # the same prompt: no /free, no changed setting
     assert time.monotonic() - started < 60
+    evicted = "30" not in second["outputs"]
+    if evicted:
+        # ComfyUI 0.29's default RAM-pressure cache drops older entries when free RAM is below its
+        # threshold (100% of RAM for inactive entries by default): it may drop the memory's entry (and
+        # so the dead memory itself, whose tables are then released) yet keep the final outputs, and
+        # serve the prompt whole from the cache. That is a right answer too; the memory's own node
+        # must then build a working memory the next time it runs.
+        assert similarity(second) == similarity(first)
+        graph["3"]["inputs"]["strength"] = 1.0 - next(_serial) * 1e-3
+        second = comfy.run(graph)
     assert second["outputs"]["30"]["worker_pids"] != pids
     text = node_text(second, "30")
-    assert "lost" in text and "worker rank 1" in text and "Save Engram Memory" in text, text
+    if not evicted:
+        assert "lost" in text and "worker rank 1" in text and "Save Engram Memory" in text, text
     assert similarity(second)["identical"] is True  # still the empty memory it promises
 
 
