@@ -518,12 +518,13 @@ def _pid_gone(pid: int) -> bool:
 def store_health(store: Any) -> None:
     """Raise when a RowStore cannot serve any more (its health check, or a worker process gone).
 
-    Uses the store's own `check()` when it has one; otherwise looks at its `worker_pids` without
+    Uses the store's own `check()` when it has one, and looks at its `worker_pids` without
     touching the processes (a worker that died is reported as EngramWorkerError with its rank)."""
     check = getattr(store, "check", None)
     if callable(check):
         check()
-        return
+    # Also look at the processes themselves: a SIGKILLed worker shows as a zombie in /proc before
+    # waitpid (what a store's own check uses) can collect it, while its other threads are torn down.
     pids = getattr(store, "worker_pids", None)
     if callable(pids):
         pids = pids()

@@ -503,6 +503,7 @@ class NewEngramMemory(io.ComfyNode):
         # memory this node promises: run again (reusing and clearing its tables) so the graph's result
         # does not depend on what earlier runs wrote. A memory that was closed or lost a worker must not
         # be served from ComfyUI's cache either: run again to build a new one.
+        gpu_ranks = gpu_ranks or 0  # absent (a graph saved before the input existed) is the default
         settings = _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks)
         memory = _by_settings.get((_current_node_id(), settings))
         if memory is None:
@@ -516,6 +517,7 @@ class NewEngramMemory(io.ComfyNode):
     @classmethod
     def execute(cls, clip, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks=0) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
+        gpu_ranks = gpu_ranks or 0
         layout = _clip_layout(clip)
         tokenizers = _clip_tokenizers(clip)
         config, vocabs = make_config(layout, tokenizers, max_order=max_order, heads=heads, rows_per_head=rows_per_head, seed=seed, gate=context_gate)
@@ -592,7 +594,7 @@ class LoadEngramMemory(io.ComfyNode):
         if not path or not os.path.exists(path):
             return float("nan")
         mtime = os.path.getmtime(path)
-        memory = _live_memory(_current_node_id(), ("load", path, mtime, devices, cpu_ranks, gpu_ranks))
+        memory = _live_memory(_current_node_id(), ("load", path, mtime, devices, cpu_ranks, gpu_ranks or 0))
         if memory is None:
             return mtime
         if _problem(memory) is not None:
@@ -604,6 +606,7 @@ class LoadEngramMemory(io.ComfyNode):
     @classmethod
     def execute(cls, memory_name, devices, cpu_ranks, clip=None, gpu_ranks=0) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
+        gpu_ranks = gpu_ranks or 0
         path = folder_paths.get_full_path_or_raise(FOLDER, memory_name)
         config, geometry = config_from_table_file(path)
         dtype = torch.float8_e4m3fn if geometry.get("dtype") == "float8_e4m3fn" else torch.bfloat16
