@@ -574,18 +574,13 @@ def run_offload(c: Comfy, shape: Shape, positive, full_latent, load, vram: Vram)
 
 
 def engram_ranks_input(c: Comfy, want: int) -> tuple[dict, int, str]:
-    """How New Engram Memory is asked for `want` CUDA ranks (its inputs decide; read from its schema)."""
-    node = c.pack_engram.NewEngramMemory
-    ids = {item.id for item in node.GET_SCHEMA().inputs}
-    gpus = c.torch.cuda.device_count()
-    for key in ("cuda_ranks", "gpu_ranks", "ranks", "num_ranks"):
-        if key in ids:
-            return {key: want, "devices": "auto"}, want, f"input {key}"
-    for key in ("ranks_per_gpu", "ranks_per_device"):
-        if key in ids:
-            per = max(1, want // max(1, gpus))
-            return {key: per, "devices": "auto"}, per * max(1, gpus), f"input {key}"
-    return {"devices": "auto"}, max(1, gpus), "devices=auto (one rank per GPU: the node has no rank-count input)"
+    """New Engram Memory's inputs for `want` CUDA ranks: its gpu_ranks input spreads them round-robin over the
+    GPUs, so on one GPU they all share it."""
+    ids = {item.id for item in c.pack_engram.NewEngramMemory.GET_SCHEMA().inputs}
+    if "gpu_ranks" in ids:
+        return {"gpu_ranks": want, "devices": "auto"}, want, f"devices=auto, gpu_ranks={want}"
+    gpus = max(1, c.torch.cuda.device_count())
+    return {"devices": "auto"}, gpus, "devices=auto (one rank per GPU: the node has no gpu_ranks input)"
 
 
 def encode_times(c: Comfy, shape: Shape, clip, memory) -> dict:
@@ -619,8 +614,9 @@ def encode_times(c: Comfy, shape: Shape, clip, memory) -> dict:
 
 
 def library_memory(c: Comfy, clip, ranks: int, rows_per_head: int, device: str):
-    """An engram memory on `ranks` ranks made with the pack's library (EngramGroup + EngramMemory), for rank
-    counts New Engram Memory does not offer on this machine; the engram nodes then use it like theirs."""
+    """An engram memory on `ranks` ranks made with the pack's library (EngramGroup + EngramMemory), when the node
+    made fewer ranks than asked (on the CPU run, whose node memory keeps 2 CPU ranks); the engram nodes then
+    use it like theirs. On a GPU the node's gpu_ranks gives the ranks asked for, and this is not used."""
     from fp8_engram.engram.group import EngramGroup
     from fp8_engram.engram.memory import EngramMemory, make_config
 
