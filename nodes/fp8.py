@@ -276,8 +276,10 @@ def _own_weights(model):
 
     The clones of one ComfyUI model share its torch module: while another clone is loaded its object
     patches (e.g. the FP8 weights of an earlier Quantize Model) or its in-place weight patches (a LoRA)
-    sit in that module, with the originals kept in the backups every clone shares. Reading the module
-    as it is would quantize someone else's weights, or find them FP8 already and quantize nothing."""
+    sit in that module, with the originals kept in the backups every clone shares. They stay there after
+    that clone is dropped from the cache: ComfyUI then hands its loaded slot to the parent model without
+    unpatching. Reading the module as it is would quantize someone else's weights, or find them FP8
+    already and quantize nothing."""
     backup = getattr(model, "backup", {})
 
     def weight_of(name: str, layer: torch.nn.Module):
