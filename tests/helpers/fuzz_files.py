@@ -21,9 +21,11 @@ successful load returned against the bytes really in the file (`tensor_bytes`).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import random
 import struct
+import time
 from dataclasses import dataclass
 
 import torch
@@ -320,6 +322,26 @@ class Outcomes:
         return {"fuzz": name, "cases": sum(self.totals().values()), "outcomes": self.totals(),
                 "by_category": self.counts, "slowest_case_s": round(self.slowest[0], 3),
                 "slowest_case": self.slowest[1], "wrong": len(self.failures)}
+
+
+def run_cases(cases: list[Case], run_case, target, slow_s: float) -> Outcomes:
+    """Run every case through `run_case(target, case) -> (outcome, problem)` under a 1 GiB memory
+    ceiling; a case slower than `slow_s` counts as wrong, and a real hang (10 minutes) ends the whole
+    run with a traceback instead of stalling it."""
+    outcomes = Outcomes()
+    faulthandler.dump_traceback_later(600, exit=True)
+    try:
+        with memory_ceiling(1 << 30):
+            for case in cases:
+                t0 = time.perf_counter()
+                outcome, problem = run_case(target, case)
+                dt = time.perf_counter() - t0
+                if dt > slow_s and problem is None:
+                    outcome, problem = "slow", f"took {dt:.1f} s"
+                outcomes.add(case, outcome, dt, problem)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return outcomes
 
 
 def vm_data_bytes() -> int | None:

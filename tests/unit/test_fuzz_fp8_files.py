@@ -16,10 +16,8 @@ as a crash) and a per-case time check; the counts go to test-artifacts/fuzz_fp8_
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import random
-import time
 
 import pytest
 import torch
@@ -173,20 +171,7 @@ def test_content_check_catches_a_wrong_load(files):
 def test_fuzzed_fp8_files_end_in_a_named_error_or_a_correct_load(files, tmp_path, artifacts_dir):
     cases = make_cases(files)
     assert len(cases) >= 300
-    outcomes = fz.Outcomes()
-    target = tmp_path / "fuzzed.safetensors"
-    faulthandler.dump_traceback_later(600, exit=True)  # a real hang ends the run with a traceback
-    try:
-        with fz.memory_ceiling(1 << 30):
-            for case in cases:
-                t0 = time.perf_counter()
-                outcome, problem = run_case(target, case)
-                dt = time.perf_counter() - t0
-                if dt > SLOW_CASE_S and problem is None:
-                    outcome, problem = "slow", f"took {dt:.1f} s"
-                outcomes.add(case, outcome, dt, problem)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    outcomes = fz.run_cases(cases, run_case, tmp_path / "fuzzed.safetensors", SLOW_CASE_S)
     record = outcomes.record("fp8_files")
     (artifacts_dir / "fuzz_fp8_files.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record))

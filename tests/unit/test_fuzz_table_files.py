@@ -11,7 +11,6 @@ test-artifacts/fuzz_table_files.json.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import random
 import time
@@ -142,20 +141,7 @@ def test_good_table_files_pass_the_content_check(files):
 def test_fuzzed_table_files_end_in_a_named_error_or_a_correct_read(files, tmp_path, artifacts_dir):
     cases = make_cases(files)
     assert len(cases) >= 150
-    outcomes = fz.Outcomes()
-    target = tmp_path / "fuzzed.safetensors"
-    faulthandler.dump_traceback_later(600, exit=True)
-    try:
-        with fz.memory_ceiling(1 << 30):
-            for case in cases:
-                t0 = time.perf_counter()
-                outcome, problem = run_case(target, case)
-                dt = time.perf_counter() - t0
-                if dt > SLOW_CASE_S and problem is None:
-                    outcome, problem = "slow", f"took {dt:.1f} s"
-                outcomes.add(case, outcome, dt, problem)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    outcomes = fz.run_cases(cases, run_case, tmp_path / "fuzzed.safetensors", SLOW_CASE_S)
     record = outcomes.record("table_files")
     (artifacts_dir / "fuzz_table_files.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record))
