@@ -155,6 +155,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                     with torch.no_grad():
                         cur.qdata.copy_(new.qdata)
                         cur.scale.copy_(new.scale)
+                        cur.scales_written()
                 else:
                     self.weight = torch.nn.Parameter(new, requires_grad=False)
                 return None

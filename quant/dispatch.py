@@ -140,6 +140,7 @@ def _copy_(func, args, kwargs):
             and src.transposed == dst.transposed):
         dst.qdata.copy_(src.qdata, non_blocking=non_blocking)
         dst.scale.copy_(src.scale, non_blocking=non_blocking)
+        dst.scales_written()
         if src.input_scale is None:
             dst.input_scale = None
         elif dst.input_scale is None:

@@ -251,13 +251,15 @@ def _scaling_mode(w: QuantizedTensor, cfg: ComputeConfig) -> str:
 
 
 def _cached_on_weight(w: QuantizedTensor, name: str, build):
-    """A tensor derived from the weight's scale, built once and kept on the weight (rebuilt when
-    the scale is written in place, e.g. by a LoRA patch; never cached for inference tensors,
-    which carry no version counter)."""
+    """A tensor derived from the weight's scale, built once and kept on the weight. It is rebuilt
+    when the scale is replaced or written in place: by its version counter, and, for inference
+    tensors (what ComfyUI's loaders make under inference_mode; they have no version counter),
+    because every in-place write of the pack's own (copy_, requantize_, LoRA patches) calls
+    ``QuantizedTensor.scales_written()``."""
     try:
         version = w.scale._version
     except RuntimeError:
-        return build()
+        version = None
     key = (name, w.scale.data_ptr(), version, w.scale.device)
     cache = w.__dict__.setdefault("_derived", {})
     hit = cache.get(name)

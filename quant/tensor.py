@@ -271,7 +271,14 @@ class QuantizedTensor(torch.Tensor):
         with torch.no_grad():
             self.qdata.copy_(fresh.qdata)
             self.scale.copy_(fresh.scale)
+        self.scales_written()
         return self
+
+    def scales_written(self) -> None:
+        """Forget what was derived from the scales and cached on this tensor (the fp8 path's
+        row-wise weight scale): every in-place write of ``scale`` calls this. Inference tensors,
+        which ComfyUI's loaders make, have no version counter to tell such a write otherwise."""
+        self.__dict__.pop("_derived", None)
 
     def __repr__(self, *, tensor_contents=None):
         extra = ", transposed" if self.transposed else ""

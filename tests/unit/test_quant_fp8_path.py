@@ -180,6 +180,25 @@ def test_row_weight_scale_is_built_once_and_rebuilt_after_an_in_place_change():
     assert lin._row_weight_scale(row).data_ptr() == row.scale.data_ptr()  # a view, no copy
 
 
+def test_row_weight_scale_of_an_inference_tensor_is_cached_and_follows_every_in_place_write():
+    """ComfyUI's loaders run under inference_mode, so weights are inference tensors with no version
+    counter: the derived [1, N] scale is still built once, and each of the pack's in-place writes
+    (copy_ from another weight, requantize_) makes the next call see the new scale."""
+    w, _ = _data()
+    with torch.inference_mode():
+        qt = QuantizedTensor.from_float(w, PerTensor())
+        a = lin._row_weight_scale(qt)
+        assert lin._row_weight_scale(qt) is a
+        other = QuantizedTensor.from_float(w.float() * 3, PerTensor())
+        qt.copy_(other)
+        b = lin._row_weight_scale(qt)
+        assert torch.equal(b, other.scale.reshape(1, 1).expand(1, 96))
+        assert not torch.equal(b, a)
+        qt.requantize_(w.float() * 5)
+        c = lin._row_weight_scale(qt)
+        assert torch.equal(c, qt.scale.reshape(1, 1).expand(1, 96)) and not torch.equal(c, b)
+
+
 def test_empty_input_and_bias():
     w, x = _data()
     qt = QuantizedTensor.from_float(w, PerTensor(), config=FP8)
