@@ -318,6 +318,12 @@ class Outcomes:
                 out[k] = out.get(k, 0) + v
         return out
 
+    def write(self, name: str, folder) -> dict:
+        """The record of `name`, also written to `folder/fuzz_<name>.json` for the run's artifacts."""
+        record = self.record(name)
+        (folder / f"fuzz_{name}.json").write_text(json.dumps(record, indent=1))
+        return record
+
     def record(self, name: str) -> dict:
         return {"fuzz": name, "cases": sum(self.totals().values()), "outcomes": self.totals(),
                 "by_category": self.counts, "slowest_case_s": round(self.slowest[0], 3),

@@ -60,16 +60,19 @@ def workspace_bytes() -> int:
     return sum(b.numel() * b.element_size() for b in bufs.values())
 
 
+def assert_unload_releases_workspace(mm, model) -> None:
+    """Running the model's FP8 linears fills this thread's workspace; ComfyUI's unload empties it."""
+    mm.load_models_gpu([model])
+    layouts.release_workspace()
+    assert run_quantized_linears(model) > 0 and workspace_bytes() > 0
+    mm.unload_all_models()
+    assert workspace_bytes() == 0
+
+
 def test_unloading_a_loaded_fp8_model_releases_the_workspace(comfy_env):
     mm, nodes = comfy_env
     out = nodes.LoadFP8DiffusionModel.execute("hygiene_fp8.safetensors", "weight-only", "static", "auto")
-    model = out.result[0]
-    mm.load_models_gpu([model])
-    layouts.release_workspace()
-    assert run_quantized_linears(model) > 0
-    assert workspace_bytes() > 0
-    mm.unload_all_models()
-    assert workspace_bytes() == 0
+    assert_unload_releases_workspace(mm, out.result[0])
 
 
 def test_unloading_a_quantized_model_releases_the_workspace(comfy_env):
@@ -81,11 +84,7 @@ def test_unloading_a_quantized_model_releases_the_workspace(comfy_env):
     base = comfy.sd.load_diffusion_model(folder_paths.get_full_path_or_raise("diffusion_models", "hygiene_bf16.safetensors"))
     out = nodes.QuantizeModelToFP8.execute(base, "tensor", "e4m3fn", "*embed*")
     model = out.result[0]
-    mm.load_models_gpu([model])
-    layouts.release_workspace()
-    assert run_quantized_linears(model) > 0 and workspace_bytes() > 0
-    mm.unload_all_models()
-    assert workspace_bytes() == 0
+    assert_unload_releases_workspace(mm, model)
     # Loading another model beside it (nothing unloaded) leaves the buffers alone.
     mm.load_models_gpu([model])
     run_quantized_linears(model)

@@ -172,8 +172,7 @@ def test_fuzzed_fp8_files_end_in_a_named_error_or_a_correct_load(files, tmp_path
     cases = make_cases(files)
     assert len(cases) >= 300
     outcomes = fz.run_cases(cases, run_case, tmp_path / "fuzzed.safetensors", SLOW_CASE_S)
-    record = outcomes.record("fp8_files")
-    (artifacts_dir / "fuzz_fp8_files.json").write_text(json.dumps(record, indent=1))
+    record = outcomes.write("fp8_files", artifacts_dir)
     print(json.dumps(record))
     assert not outcomes.failures, "\n".join(outcomes.failures[:40])
     totals = outcomes.totals()

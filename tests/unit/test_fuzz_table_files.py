@@ -142,8 +142,7 @@ def test_fuzzed_table_files_end_in_a_named_error_or_a_correct_read(files, tmp_pa
     cases = make_cases(files)
     assert len(cases) >= 150
     outcomes = fz.run_cases(cases, run_case, tmp_path / "fuzzed.safetensors", SLOW_CASE_S)
-    record = outcomes.record("table_files")
-    (artifacts_dir / "fuzz_table_files.json").write_text(json.dumps(record, indent=1))
+    record = outcomes.write("table_files", artifacts_dir)
     print(json.dumps(record))
     assert not outcomes.failures, "\n".join(outcomes.failures[:40])
     totals = outcomes.totals()

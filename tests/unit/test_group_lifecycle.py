@@ -16,20 +16,13 @@ import torch
 from fp8_engram.engram.allocators import leftover_segments
 from fp8_engram.engram.group import EngramGroup, EngramWorkerError
 from fp8_engram.engram.store import LocalRowStore
+from helpers.procs import process_ended
 
 pytestmark = pytest.mark.unit
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ENTRIES = 4
 MAX_TOKENS = 16
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("State:") and "Z" in line for line in f)
-    except FileNotFoundError:
-        return True
 
 
 def _fill(group: EngramGroup, seed: int) -> LocalRowStore:
@@ -115,7 +108,7 @@ def test_three_cpu_groups_in_one_process_two_alive_at_once():
         pids = first.worker_pids
         first.close()
         first.close()  # idempotent
-        assert not first.alive and all(_gone(p) for p in pids)
+        assert not first.alive and all(process_ended(p) for p in pids)
         with pytest.raises(RuntimeError, match="closed"):
             first.check()
         # A third group, of another size and rank count, while the second lives on.
@@ -222,7 +215,7 @@ def test_cuda_groups_of_1_2_4_ranks_one_after_another():
         finally:
             pids = group.worker_pids
             group.close()
-        assert all(_gone(p) for p in pids), f"a worker of the {ranks}-rank group outlived close()"
+        assert all(process_ended(p) for p in pids), f"a worker of the {ranks}-rank group outlived close()"
         after = _allocated(device)
         assert after == before, f"{ranks}-rank group: {after - before} bytes of torch-allocated GPU memory left after close()"
 

@@ -13,6 +13,7 @@ import torch
 from fp8_engram.engram.allocators import leftover_segments
 from fp8_engram.engram.group import EngramGroup, EngramWorkerError
 from fp8_engram.engram.store import LocalRowStore, RowStore
+from helpers.procs import process_ended
 
 pytestmark = pytest.mark.unit
 
@@ -24,14 +25,6 @@ def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
     return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("State:") and "Z" in line for line in f)
-    except FileNotFoundError:
-        return True
-
-
 @pytest.fixture(scope="module", params=[(1, torch.bfloat16), (2, torch.bfloat16), (4, torch.float8_e4m3fn)], ids=["1rank-bf16", "2rank-bf16", "4rank-fp8"])
 def group(request):
     ranks, dtype = request.param
@@ -39,7 +32,7 @@ def group(request):
     yield g
     pids = g.worker_pids
     g.close()
-    assert all(_gone(p) for p in pids), "a worker outlived close()"
+    assert all(process_ended(p) for p in pids), "a worker outlived close()"
 
 
 def test_group_is_a_rowstore_padded_to_the_rank_count(group):
@@ -165,13 +158,13 @@ def test_workers_die_with_a_sigkilled_host(tmp_path):
     host = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in host.stdout.readline().split()]
-        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+        assert len(pids) == 2 and not any(process_ended(p) for p in pids)
         host.kill()
         host.wait()
         deadline = time.monotonic() + 5.0
-        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        while not all(process_ended(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert all(_gone(p) for p in pids), "workers outlived their SIGKILLed host"
+        assert all(process_ended(p) for p in pids), "workers outlived their SIGKILLed host"
     finally:
         if host.poll() is None:
             host.kill()
