@@ -356,7 +356,7 @@ def _kernel_block(w: QuantizedTensor):
     return None
 
 
-def _weight_only(x, w: QuantizedTensor, bias, cdt, method: str = "auto"):
+def _weight_only(x, w: QuantizedTensor, bias, cdt):
     if x.dtype != cdt:
         x = x.to(cdt)
     if bias is not None and bias.dtype != cdt:
@@ -368,7 +368,7 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt, method: str = "auto"):
         if block is not None and not needs_grad and cdt in (torch.bfloat16, torch.float16):
             out_f, in_f = w.qdata.shape
             y = kernels.weight_only_linear(x.reshape(-1, in_f), w.qdata, w.scale, block[0],
-                                           block[1], bias, method)
+                                           block[1], bias)
             return y.reshape(*x.shape[:-1], out_f)
     return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
 
