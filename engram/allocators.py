@@ -245,17 +245,21 @@ def register_symmetric_memory_group(group: dist.ProcessGroup, store: dist.Store)
         pass  # already registered
 
 
+def _cuda_device(device: torch.device | str, allocator: str) -> torch.device:
+    """`device` as a CUDA device with an index (the current one when it names none); ValueError otherwise."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"{allocator} serves CUDA buffers, not {device}")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def symmetric_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.device) -> ShardMemory:
     """CUDA shard buffers in torch symmetric memory; every peer's buffer mapped through the handle.
 
     `group` must be a `ProcessGroup` registered under its name (made by `init_process_group`/`new_group`,
     or like `worker.named_group`); its collectives may run on any backend.
     """
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"symmetric memory serves CUDA buffers, not {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _cuda_device(device, "symmetric memory")
     rank, num_ranks = group.rank(), group.size()
     if num_ranks == 1:
         local = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
@@ -312,11 +316,7 @@ def cuda_ipc_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.d
     """
     from . import cuda_ipc
 
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"the CUDA IPC allocator serves CUDA buffers, not {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _cuda_device(device, "the CUDA IPC allocator")
     rank, num_ranks = group.rank(), group.size()
     address, local = cuda_ipc.allocate(num_bytes, device)
     opened: list[int] = []
