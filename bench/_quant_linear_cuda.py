@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_engram.quant import Block, ComputeConfig, PerTensor, QuantizedTensor, kernels
+from fp8_engram.quant.quantize_model import sqnr_db
 
 lin = importlib.import_module("fp8_engram.quant.linear")
 
@@ -29,8 +30,7 @@ QUICK_SHAPES = [("small", 256, 1024, 2048), ("small", 1024, 1024, 4096)]
 
 
 def _sqnr(ref, y) -> float:
-    ref = ref.double()
-    return round((20 * torch.log10(ref.norm() / (ref - y.double()).norm())).item(), 2)
+    return round(sqnr_db(ref, y), 2)
 
 
 def time_cuda(fns: dict, rounds: int, inner: int) -> dict:

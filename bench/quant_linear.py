@@ -38,6 +38,7 @@ COMFYUI = Path(os.environ.get("COMFYUI_PATH", ROOT / ".host" / "comfyui"))
 sys.path.insert(0, str(PKG))
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor  # noqa: E402
+from fp8_engram.quant.quantize_model import sqnr_db  # noqa: E402
 
 
 def load_comfy_quant_ops(device: str):
@@ -74,8 +75,7 @@ def time_round_robin(fns: dict, repeats: int, device: str) -> dict:
 
 
 def _sqnr(ref: torch.Tensor, y: torch.Tensor) -> float:
-    ref = ref.double()
-    return round((20 * torch.log10(ref.norm() / (ref - y.double()).norm())).item(), 2)
+    return round(sqnr_db(ref, y), 2)
 
 
 def main() -> None:
