@@ -113,14 +113,13 @@ def _read(folder: str, name: str, cfg: ComputeConfig):
                 sd[info.weight_key] = sd[info.weight_key].with_config(wo)
     header = formats.read_header(path)
     metadata = {k: v for k, v in header.metadata.items() if k not in ("_quantization_metadata", "quantization_config")}
-    return path, sd, report, metadata or None
+    return header, sd, report, metadata or None
 
 
-def _adopt(patcher, path: str) -> None:
+def _adopt(patcher, header: formats.SafetensorsHeader) -> None:
     """What every model this pack loads carries: its file's dtypes, and the workspace release on unload."""
     if patcher is None:
         return
-    header = formats.read_header(path)
     setattr(patcher.model, SOURCE_DTYPES_ATTR, {k: e.dtype for k, e in header.tensors.items()})
     release_workspace_on_unload(patcher)
 
@@ -157,14 +156,14 @@ class LoadFP8DiffusionModel(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype)
-        path, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
+        header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
         options = {"custom_operations": _ops(cfg, patch_rounding)}
         if cfg.compute_dtype is not None:
             options["dtype"] = cfg.compute_dtype
         model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, metadata=metadata)
         if model is None:
             raise ValueError(f"diffusion_models/{unet_name}: ComfyUI could not detect the model type of this file")
-        _adopt(model, path)
+        _adopt(model, header)
         return io.NodeOutput(model, ui={"fp8_summary": [_summary(report, cfg)]})
 
 
@@ -192,7 +191,7 @@ class LoadFP8Checkpoint(io.ComfyNode):
     @classmethod
     def execute(cls, ckpt_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype)
-        path, sd, report, metadata = _read("checkpoints", ckpt_name, cfg)
+        header, sd, report, metadata = _read("checkpoints", ckpt_name, cfg)
         for k in list(sd):
             if k.startswith(VAE_PREFIXES) and isinstance(sd[k], QuantizedTensor):
                 sd[k] = sd[k].dequantize()
@@ -202,7 +201,7 @@ class LoadFP8Checkpoint(io.ComfyNode):
             model_options={"custom_operations": ops}, te_model_options={"custom_operations": ops}, metadata=metadata)
         if out is None:
             raise ValueError(f"checkpoints/{ckpt_name}: ComfyUI could not detect the model type of this file")
-        _adopt(out[0], path)
+        _adopt(out[0], header)
         if out[1] is not None:
             release_workspace_on_unload(out[1].patcher)
         return io.NodeOutput(out[0], out[1], out[2], ui={"fp8_summary": [_summary(report, cfg)]})
@@ -234,7 +233,7 @@ class LoadFP8TextEncoder(io.ComfyNode):
     @classmethod
     def execute(cls, clip_name, type, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype)
-        path, sd, report, metadata = _read("text_encoders", clip_name, cfg)
+        header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
         clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
         clip = comfy.sd.load_text_encoder_state_dicts(
             [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
