@@ -336,7 +336,7 @@ class QuantizeModelToFP8(io.ComfyNode):
                    "worst_layer": worst.name if worst else None}
         # The node shows the worst layers only; the full table is the report output.
         return io.NodeOutput(out, report.text(), _sqnr_plot(report), ui={"fp8_quality": [quality],
-                                                                       "text": [report.worst_text(header=False)]})
+                                                                       "text": [report.worst_text()]})
 
 
 SAVE_DTYPES = {"as loaded": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -141,13 +141,10 @@ class QuantizeReport:
             lines.append(f"{l.name:<60} {shape:>14} {val:>9}")
         return "\n".join(lines)
 
-
-    def worst_text(self, count: int = 5, *, header: bool = True) -> str:
-        """The summary (with `header`) and the `count` quantized layers with the lowest SQNR: what a node
-        shows; the full per-layer table is `text()`."""
-        s = self.summary()
-        lines = [f"FP8 {s['fp8_dtype']}, {s['granularity']}: {s['layers_quantized']} quantized, {s['layers_kept']} kept",
-                 f"SQNR min {s['sqnr_db_min']} dB, mean {s['sqnr_db_mean']} dB"] if header else []
+    def worst_text(self, count: int = 5) -> str:
+        """The `count` quantized layers with the lowest SQNR: what a node shows; the full per-layer
+        table is `text()`."""
+        lines = []
         ranked = sorted((l for l in self.quantized if l.sqnr_db is not None), key=lambda l: l.sqnr_db)
         if ranked:
             lines.append(f"worst {min(count, len(ranked))} of {len(ranked)}:")
