@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from ..layouts import _safe_scale
 from ._triton import HAS_TRITON, INTERPRET, jit, round_fp8_grid, tl, triton
 
 __all__ = ["quantize_rows", "quantize_tensor", "quantize_groups", "tensor_scale",
@@ -34,11 +35,6 @@ _ONE_PASS_MAX_K = 16384  # whole rows up to this many elements stay in registers
 
 def _fmax(fp8_dtype) -> float:
     return float(torch.finfo(fp8_dtype).max)
-
-
-def _safe_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
-    s = amax.to(torch.float32) / fmax
-    return torch.where(s > 0, s.clamp_min(TINY), torch.ones_like(s))
 
 
 # ---------------------------------------------------------------------------------------------
