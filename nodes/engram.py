@@ -264,12 +264,15 @@ def _problem(memory: EngramMemory) -> str | None:
     return None
 
 
+def _how_it_died(code: int | None) -> str:
+    """" (killed by signal N)" / " (exit code N)" for a worker's exit code, "" when unknown."""
+    return "" if code is None else (f" (killed by signal {-code})" if code < 0 else f" (exit code {code})")
+
+
 def _lost_reason(exc: BaseException) -> str:
     rank = getattr(exc, "rank", None)
     who = f"engram worker rank {rank}" if rank is not None else "an engram worker"
-    code = getattr(exc, "exitcode", None)
-    how = "" if code is None else (f" (killed by signal {-code})" if code < 0 else f" (exit code {code})")
-    return f"lost: {who} died{how}"
+    return f"lost: {who} died{_how_it_died(getattr(exc, 'exitcode', None))}"
 
 
 def release_all(reason: str) -> int:
@@ -458,9 +461,8 @@ def _serving(node: str, memory: EngramMemory):
         memory.close(reason)
         rank = getattr(exc, "rank", None)
         code = getattr(exc, "exitcode", None)
-        how = "" if code is None else (f" (killed by signal {-code})" if code < 0 else f" (exit code {code})")
         worker = f"its engram worker rank {rank}" if rank is not None else "one of its engram workers"
-        raise EngramWorkerError(f"{node}: {memory.name} lost {worker}{how}. {_recovery(memory)}", rank, code) from exc
+        raise EngramWorkerError(f"{node}: {memory.name} lost {worker}{_how_it_died(code)}. {_recovery(memory)}", rank, code) from exc
     except EngramMemoryError as exc:
         raise EngramMemoryError(f"{node}: {exc}") from exc
 
