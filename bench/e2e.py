@@ -277,17 +277,22 @@ def clip_l_module():
     return comfy.clip_model.CLIPTextModel(config, dtype=torch.float16, device="meta", operations=comfy.ops.disable_weight_init)
 
 
-def clip_l_state_dict(c: Comfy, device) -> dict:
-    torch = c.torch
-    gen = torch.Generator(device=device).manual_seed(3)
+def _random_fp16_state_dict(torch, module, device, seed: int, norm: str, std) -> dict:
+    """Seeded fp16 tensors for a text encoder: keys containing `norm` get weight 1 / bias 0, the rest
+    normal values times std(key, shape)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for k, v in clip_l_module().state_dict().items():
-        if "norm" in k:
-            out[k] = torch.ones(v.shape, dtype=torch.float16, device=device) if k.endswith("weight") else \
-                torch.zeros(v.shape, dtype=torch.float16, device=device)
+    for k, v in module.state_dict().items():
+        if norm in k:
+            out[k] = (torch.ones if k.endswith("weight") else torch.zeros)(v.shape, dtype=torch.float16, device=device)
         else:
-            out[k] = (torch.randn(v.shape, generator=gen, device=device) * 0.02).to(torch.float16)
-    out["text_model.embeddings.position_ids"] = torch.arange(77, device=device).unsqueeze(0)
+            out[k] = (torch.randn(v.shape, generator=gen, device=device) * std(k, v.shape)).to(torch.float16)
+    return out
+
+
+def clip_l_state_dict(c: Comfy, device) -> dict:
+    out = _random_fp16_state_dict(c.torch, clip_l_module(), device, seed=3, norm="norm", std=lambda k, shape: 0.02)
+    out["text_model.embeddings.position_ids"] = c.torch.arange(77, device=device).unsqueeze(0)
     return out
 
 
@@ -303,17 +308,10 @@ def t5xxl_module():
 
 
 def t5xxl_state_dict(c: Comfy, device) -> dict:
-    torch = c.torch
-    gen = torch.Generator(device=device).manual_seed(4)
-    out = {}
-    for k, v in t5xxl_module().state_dict().items():
-        if "layer_norm" in k:
-            out[k] = torch.ones(v.shape, dtype=torch.float16, device=device)
-        else:
-            fan_in = v.shape[-1] if v.dim() >= 2 else 1
-            std = 1.0 if k.endswith("shared.weight") else fan_in ** -0.5
-            out[k] = (torch.randn(v.shape, generator=gen, device=device) * std).to(torch.float16)
-    return out
+    def std(k, shape):  # unit-variance outputs; the embedding table itself unit variance
+        return 1.0 if k.endswith("shared.weight") else (shape[-1] if len(shape) >= 2 else 1) ** -0.5
+
+    return _random_fp16_state_dict(c.torch, t5xxl_module(), device, seed=4, norm="layer_norm", std=std)
 
 
 def sd3_state_dict(c: Comfy, shape: Shape, device) -> dict:
