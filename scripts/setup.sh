@@ -73,7 +73,6 @@ else
   fi
   comfy="$(cd "$comfy" && pwd -P)"
 fi
-echo "$comfy" > "$host/comfyui_path"
 
 # The pack under a fixed name, whatever this checkout's folder is called.
 ln -sfn "$root" "$host/pkg/fp8_engram"
