@@ -19,8 +19,8 @@ import torch
 from . import act_quant, dequant as _dequant, weight_only_gemm
 from ._triton import HAS_TRITON
 
-__all__ = ["HAS_TRITON", "quantize_rows", "quantize_tensor", "quantize_groups", "tensor_scale",
-           "dequantize", "weight_only_linear", "FUSED_WEIGHT_ONLY_MAX_M"]
+__all__ = ["HAS_TRITON", "quantize_rows", "quantize_tensor", "quantize_groups", "dequantize",
+           "weight_only_linear", "FUSED_WEIGHT_ONLY_MAX_M"]
 
 # Weight-only on GPUs: at or below this many tokens the fused GEMM (weight read once as FP8)
 # should win; above it a one-pass dequantize into bf16 then cuBLAS does, because the GEMM is
@@ -73,10 +73,6 @@ def quantize_groups(x2d: torch.Tensor, fp8_dtype=torch.float8_e4m3fn):
         with _on(x2d):
             return act_quant.quantize_groups(x2d, fp8_dtype)
     return act_quant.quantize_groups_torch(x2d, fp8_dtype)
-
-
-def tensor_scale(x2d: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> torch.Tensor:
-    return act_quant.tensor_scale(x2d, fp8_dtype)
 
 
 def dequantize(q, scale, block, dtype, per_tensor: bool, out=None):

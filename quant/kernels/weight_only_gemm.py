@@ -1,6 +1,6 @@
 """Weight-only FP8 linear on GPUs: ``y = x @ (q * scale).T + bias`` as one Triton GEMM that loads
-the FP8 weight tile and converts it in registers (no dequantized copy of the weight in memory),
-beside its plain-torch twin (dequantize, then ``F.linear``).
+the FP8 weight tile and converts it in registers (no dequantized copy of the weight in memory).
+Where it cannot run, ``kernels.weight_only_linear`` dequantizes and calls ``F.linear`` instead.
 
 Per-tensor and per-row scales are constant along K, so they are applied once to the float32
 accumulator (``acc * scale[n]``) instead of to every weight element; block scales (R x C blocks,
@@ -15,12 +15,11 @@ configs keyed on the M bucket, N and K (``autotune=True``, the default on CUDA).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._triton import HAS_TRITON, INTERPRET, fp8_bits_to_f32, jit, round_bf16, tl, triton
 from .dequant import native_fp8
 
-__all__ = ["weight_only_linear_triton", "weight_only_linear_torch", "supported"]
+__all__ = ["weight_only_linear_triton", "supported"]
 
 
 BLOCK_COLS_MULTIPLE = 64  # block scales need column blocks that whole K steps fit in
@@ -32,13 +31,6 @@ def supported(x2d: torch.Tensor, q: torch.Tensor, block=None) -> bool:
     return (HAS_TRITON and x2d.is_cuda and q.is_cuda and q.dim() == 2
             and x2d.dtype in (torch.bfloat16, torch.float16)
             and (block is None or block[1] % BLOCK_COLS_MULTIPLE == 0))
-
-
-def weight_only_linear_torch(x2d, q, scale, bias, per_tensor: bool, block=None):
-    from .dequant import dequantize_torch
-
-    w = dequantize_torch(q, scale, block or (1, q.shape[1]), x2d.dtype, per_tensor)
-    return F.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
 
 
 @jit
