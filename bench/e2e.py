@@ -571,16 +571,6 @@ def run_offload(c: Comfy, shape: Shape, positive, full_latent, load, vram: Vram)
 # ----------------------------------------------------------------------------- engram
 
 
-def engram_ranks_input(c: Comfy, want: int) -> tuple[dict, int, str]:
-    """New Engram Memory's inputs for `want` CUDA ranks: its gpu_ranks input spreads them round-robin over the
-    GPUs, so on one GPU they all share it."""
-    ids = {item.id for item in c.pack_engram.NewEngramMemory.GET_SCHEMA().inputs}
-    if "gpu_ranks" in ids:
-        return {"gpu_ranks": want, "devices": "auto"}, want, f"devices=auto, gpu_ranks={want}"
-    gpus = max(1, c.torch.cuda.device_count())
-    return {"devices": "auto"}, gpus, "devices=auto (one rank per GPU: the node has no gpu_ranks input)"
-
-
 def encode_times(c: Comfy, shape: Shape, clip, memory) -> dict:
     """Engram Memorize, then Engram Text Encode vs CLIP Text Encode on one prompt (interleaved, median)."""
     torch = c.torch
@@ -648,8 +638,8 @@ def run_engram(c: Comfy, shape: Shape, tiny: bool, model, want_ranks: int, rows_
     inputs = c.defaults(c.pack_engram.NewEngramMemory)
     if tiny:
         extra, ranks, how = {"devices": "cpu", "cpu_ranks": 2}, 2, "devices=cpu, cpu_ranks=2"
-    else:
-        extra, ranks, how = engram_ranks_input(c, want_ranks)
+    else:  # gpu_ranks spreads the ranks round-robin over the GPUs: on one GPU they all share it
+        extra, ranks, how = {"gpu_ranks": want_ranks, "devices": "auto"}, want_ranks, f"devices=auto, gpu_ranks={want_ranks}"
     inputs.update(extra, clip=clip, rows_per_head=rows_per_head)
     try:
         t1 = time.perf_counter()
