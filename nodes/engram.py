@@ -387,15 +387,6 @@ def _replace_live(node_id: str | None, key: tuple, make, reuse, rewrap) -> tuple
         return memory, note
 
 
-def _check_interrupt_or_close(store) -> None:
-    """A cancel that arrived while tables were being built: drop them rather than hand them on."""
-    try:
-        comfy.model_management.throw_exception_if_processing_interrupted()
-    except BaseException:
-        store.close()
-        raise
-
-
 def cuda_rank_devices(gpu_ranks: int, device_count: int) -> list[int]:
     """The GPU of every CUDA rank: `gpu_ranks` = 0 gives one rank per GPU; N > 0 gives N ranks spread
     round-robin over the GPUs (rank r on GPU r % device_count, as EngramGroup places them), so several
@@ -535,7 +526,8 @@ class NewEngramMemory(io.ComfyNode):
         def make():
             store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks)
             try:
-                _check_interrupt_or_close(store)
+                # A cancel that arrived while the tables were built: drop them (below) rather than hand them on.
+                comfy.model_management.throw_exception_if_processing_interrupted()
                 return wrap(store)
             except BaseException:
                 store.close()
@@ -626,9 +618,10 @@ class LoadEngramMemory(io.ComfyNode):
         def make():
             store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks)
             try:
-                _check_interrupt_or_close(store)
+                # A cancel before or during the load: drop the tables (below) rather than hand them on.
+                comfy.model_management.throw_exception_if_processing_interrupted()
                 store.load_table_file(path)
-                _check_interrupt_or_close(store)
+                comfy.model_management.throw_exception_if_processing_interrupted()
                 return wrap(store)
             except BaseException:
                 store.close()
