@@ -299,12 +299,16 @@ class Block:
             w = torch.nn.functional.pad(w, (0, pad_c, 0, pad_r))
         return w.reshape(nr, self.rows, nc, self.cols)
 
+    def _block_scale(self, amax: torch.Tensor, fmax: float) -> torch.Tensor:
+        """Each block's absolute maximum -> its scale (MXFP8 rounds it up to a power of two)."""
+        return _safe_scale(amax, fmax)
+
     def quantize(self, w: torch.Tensor, fp8_dtype, generator):
         _need_2d(w.shape, f"Block({self.rows}, {self.cols})")
         fmax = fp8_max(fp8_dtype)
         out, inp = w.shape
         blocks = self._blocks(w.to(torch.float32))
-        scale = _safe_scale(blocks.abs().amax(dim=(1, 3)), fmax)
+        scale = self._block_scale(blocks.abs().amax(dim=(1, 3)), fmax)
         scaled = (blocks / scale[:, None, :, None]).reshape(blocks.shape[0] * self.rows, -1)
         scaled = scaled[:out, :inp].contiguous()
         return _to_fp8(scaled, fp8_dtype, generator), scale

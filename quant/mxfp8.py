@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import Block, QuantizationError, _to_fp8, fp8_max
+from .layouts import Block, QuantizationError
 
 BLOCK = 32
 E8M0_BIAS = 127
@@ -59,12 +59,10 @@ class MXFP8(Block):
             raise QuantizationError(f"MXFP8 stores float8_e4m3fn data, got {fp8_dtype}")
         if w.dim() != 2:
             raise QuantizationError(f"layout MXFP8 needs a 2-D weight [out, in], got shape {list(w.shape)}")
-        out, inp = w.shape
-        blocks = self._blocks(w.to(torch.float32))
-        amax = blocks.abs().amax(dim=(1, 3))
-        scale = power_of_two_scale(amax, fp8_max(fp8_dtype))
-        scaled = (blocks / scale[:, None, :, None]).reshape(blocks.shape[0], -1)[:out, :inp].contiguous()
-        return _to_fp8(scaled, fp8_dtype, generator), scale
+        return super().quantize(w, fp8_dtype, generator)
+
+    def _block_scale(self, amax: torch.Tensor, fmax: float) -> torch.Tensor:
+        return power_of_two_scale(amax, fmax)
 
 
 def power_of_two_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
