@@ -28,7 +28,7 @@ from ..engram.group import EngramWorkerError
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
 from ..engram.store import LocalRowStore
 from ..engram.streams import family_layout
-from ..engram.table_file import TableFileError
+from ..engram.table_file import TableFileError  # noqa: F401 - loaded here so that plain_error_names() renames its errors
 from . import CATEGORY, NODE_ID_PREFIX
 
 logger = logging.getLogger(__name__)
