@@ -270,8 +270,9 @@ class LocalEngramBuffer:
 
     def _build_kernel_tables(self) -> None:
         """Device tables of the one-pass kernel: where each shard is (from this rank's own), and per layer (rows, offsets)."""
-        from .gather_triton import shard_table
+        from .gather_triton import gather_rows, shard_table
 
+        self._gather_rows = gather_rows  # looked up once here, not by an import statement in every fetch
         layout = self.layout
         self._anchor = self._memory.local.view(torch.int32)
         rel = shard_table([p.data_ptr() for p in self._memory.peers], self._anchor.data_ptr())
@@ -283,8 +284,6 @@ class LocalEngramBuffer:
             torch.cuda.synchronize(self.device)
 
     def _launch(self, ids: torch.Tensor, meta: torch.Tensor, out: torch.Tensor, sf_out: torch.Tensor | None, entries: int, sf_strides: tuple[int, int, int]) -> None:
-        from .gather_triton import gather_rows
-
         if ids.numel() == 0:
             return
         layers = ids.shape[0]
@@ -301,9 +300,9 @@ class LocalEngramBuffer:
         sf_words = sf_out.view(torch.int32) if sf_out is not None else None
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
-                gather_rows(ids, self._anchor, self._bases, meta, words, sf_words, **kwargs)
+                self._gather_rows(ids, self._anchor, self._bases, meta, words, sf_words, **kwargs)
         else:
-            gather_rows(ids, self._anchor, self._bases, meta, words, sf_words, **kwargs)
+            self._gather_rows(ids, self._anchor, self._bases, meta, words, sf_words, **kwargs)
 
     def _check_alive(self) -> None:
         if self._memory is None:
