@@ -19,8 +19,8 @@ import errno
 import json
 import os
 import shutil
+import secrets
 import struct
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +84,14 @@ def _write_tensor_bytes(f, t: torch.Tensor) -> int:
     for start in range(0, flat.numel(), _WRITE_CHUNK_BYTES):
         written += f.write(memoryview(flat[start : start + _WRITE_CHUNK_BYTES].numpy()))
     return written
+
+
+def _new_temp_file(folder: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file in `folder` with the mode of any new file (0666 less the umask, which the kernel
+    applies): mkstemp would make it 0600, and reading the umask to widen it means changing it
+    for every thread of the process meanwhile."""
+    tmp = os.path.join(folder, f"{prefix}{secrets.token_hex(8)}{suffix}")
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
 
 
 def write_table_file(
@@ -168,7 +176,7 @@ def write_table_file(
     if free < total:
         raise TableFileWriteError(errno.ENOSPC, f"{path}: the table file needs {total / 2**20:,.2f} MiB but only "
                                   f"{free / 2**20:,.2f} MiB are free in {folder}; nothing was written")
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
+    fd, tmp = _new_temp_file(folder, ".tmp-", ".safetensors")
     written = 0
     try:
         with os.fdopen(fd, "wb") as f:
@@ -178,9 +186,6 @@ def write_table_file(
                 written += _write_tensor_bytes(f, piece)
             f.flush()
             os.fsync(f.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600 files; a saved memory is an ordinary file
         os.replace(tmp, path)
     except BaseException as e:
         try:

@@ -28,8 +28,8 @@ import math
 import os
 import re
 import shutil
+import secrets
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -190,7 +190,7 @@ def write_safetensors(path, entries: list[tuple[str, torch.dtype, tuple[int, ...
     if free < total:
         raise SaveError(errno.ENOSPC, f"{path}: the file needs {total / 2**20:,.2f} MiB but only {free / 2**20:,.2f} MiB "
                         f"are free in {folder}; nothing was written")
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    fd, tmp = _new_temp_file(folder, f".{os.path.basename(path)}.", ".tmp")
     written = 0
     try:
         try:
@@ -208,7 +208,6 @@ def write_safetensors(path, entries: list[tuple[str, torch.dtype, tuple[int, ...
                         progress(i + 1, len(entries))
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; saved models are ordinary files
             if overwrite:
                 os.replace(tmp, path)
             else:
@@ -233,10 +232,12 @@ def write_safetensors(path, entries: list[tuple[str, torch.dtype, tuple[int, ...
     return os.path.getsize(path)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _new_temp_file(folder: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file in `folder` with the mode of any new file (0666 less the umask, which the kernel
+    applies): mkstemp would make it 0600, and reading the umask to widen it means changing it
+    for every thread of the process meanwhile."""
+    tmp = os.path.join(folder, f"{prefix}{secrets.token_hex(8)}{suffix}")
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
 
 
 @dataclass

@@ -188,3 +188,20 @@ def test_plain_dtype_choices_and_fallbacks():
     assert save.plain_dtypes(sd_big, None, src)[0][bias] == torch.bfloat16
     with pytest.raises(ValueError, match="beyond float16's range"):
         save.plain_dtypes(dict(sd, **{bias: torch.full((3,), 1e6)}), torch.float16)
+
+
+def test_a_saved_file_has_the_mode_of_any_new_file(tmp_path):
+    """0666 less the umask (the temp file it is renamed from must not stay 0600), and no temp left."""
+    import os
+
+    from fp8_engram.quant.save import write_safetensors
+
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    old = os.umask(0o027)
+    try:
+        path = tmp_path / "mode.safetensors"
+        write_safetensors(path, [("t", t.dtype, tuple(t.shape))], lambda name: t)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["mode.safetensors"]

@@ -105,3 +105,17 @@ def test_failed_write_keeps_the_old_file(tmp_path):
     with pytest.raises(ValueError, match="chunk must be"):
         write_table_file(path, [[torch.ones(4, 128, dtype=torch.bfloat16), torch.ones(4, 64, dtype=torch.bfloat16)]])
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["t.safetensors"]
+
+
+def test_a_written_table_file_has_the_mode_of_any_new_file(tmp_path):
+    """0666 less the umask (the temp file it is renamed from must not stay 0600), and no temp left."""
+    import os
+
+    old = os.umask(0o027)
+    try:
+        path = tmp_path / "mode.safetensors"
+        write_table_file(path, [torch.zeros(4, 128, dtype=torch.bfloat16)])
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["mode.safetensors"]
