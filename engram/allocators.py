@@ -15,7 +15,6 @@
   (cuda_ipc.py) has no state outside the group, so groups of any size and rank count may come and go
   in one process, several at once, and ranks sharing a GPU need no environment variable. The one-pass
   gather (gather_triton.py) needs only each shard's address in the fetching process, which IPC gives.
-  `symmetric_memory_allocator` stays available for callers that pass it explicitly.
 
 An allocator is `(group, num_bytes, device) -> ShardMemory`. Collectives are issued on the process
 group object itself (`group.allgather(...)`), so a group made without `init_process_group` works too.
@@ -211,38 +210,7 @@ def shared_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: to
     return ShardMemory(local=peers[rank], peers=peers, unified=unified, stride=num_bytes, keepalive=region)
 
 
-# ----- CUDA: torch symmetric memory -----
-
-OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
-
-
-def _torch_older_than(major: int, minor: int) -> bool:
-    try:
-        have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return have < (major, minor)
-
-
-def register_symmetric_memory_group(group: dist.ProcessGroup, store: dist.Store) -> None:
-    """Tell torch's symmetric memory the rank, size and store of a group it cannot find on its own.
-
-    torch >= 2.11 finds a group by its registered name and uses the group's store. Older releases look
-    the name up in a separate table that only `enable_symm_mem_for_group` (for groups in
-    torch.distributed's world) or `set_group_info` fills; this fills it for private groups too. A name
-    already in that table is left alone (the call raises there; nothing else is done).
-    """
-    try:
-        from torch._C._distributed_c10d import _SymmetricMemory
-    except ImportError:  # a torch build without symmetric memory: the allocator says so when used
-        return
-    set_group_info = getattr(_SymmetricMemory, "set_group_info", None)
-    if set_group_info is None:
-        return
-    try:
-        set_group_info(group.group_name, group.rank(), group.size(), dist.PrefixStore("fp8engram-symm/", store))
-    except RuntimeError:
-        pass  # already registered
+# ----- CUDA: driver-allocated memory shared through CUDA IPC (the default) -----
 
 
 def _cuda_device(device: torch.device | str, allocator: str) -> torch.device:
@@ -251,58 +219,6 @@ def _cuda_device(device: torch.device | str, allocator: str) -> torch.device:
     if device.type != "cuda":
         raise ValueError(f"{allocator} serves CUDA buffers, not {device}")
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-def symmetric_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.device) -> ShardMemory:
-    """CUDA shard buffers in torch symmetric memory; every peer's buffer mapped through the handle.
-
-    `group` must be a `ProcessGroup` registered under its name (made by `init_process_group`/`new_group`,
-    or like `worker.named_group`); its collectives may run on any backend.
-    """
-    device = _cuda_device(device, "symmetric memory")
-    rank, num_ranks = group.rank(), group.size()
-    if num_ranks == 1:
-        local = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
-        return ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes)
-    group_name = getattr(group, "group_name", None)
-    if not isinstance(group, dist.ProcessGroup) or not group_name:
-        raise ValueError(
-            f"CUDA engram buffers need a named torch.distributed ProcessGroup for the symmetric-memory rendezvous, got {type(group).__name__}"
-        )
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-    except ImportError as e:  # pragma: no cover - depends on the torch build
-        raise RuntimeError(f"this torch build has no symmetric memory ({e}); multi-GPU engram groups need it") from e
-    # Refuse ranks that share a GPU without the opt-in here, with a clear message, on every rank alike
-    # (the rendezvous would fail deep inside torch otherwise).
-    coll = collective_device(group, device)
-    devices = [d[0] for d in all_gather_int64(group, [device.index], coll)]
-    if len(set(devices)) < num_ranks and os.environ.get(OVERLAP_ENV) != "1":
-        raise RuntimeError(f"engram ranks share GPUs (rank -> device {devices}); set {OVERLAP_ENV}=1 before the first rendezvous")
-    if _torch_older_than(2, 11) and not symm_mem.is_symm_mem_enabled_for_group(group_name):
-        # Releases before 2.11 need this for groups of torch.distributed's world (private groups were
-        # registered by register_symmetric_memory_group); a group it cannot find is left to the rendezvous.
-        try:
-            symm_mem.enable_symm_mem_for_group(group_name)
-        except Exception:  # noqa: BLE001
-            pass
-    try:
-        local = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
-        # The name (a str) is what every torch release with symmetric memory accepts.
-        handle = symm_mem.rendezvous(local, group_name)
-    except Exception as e:
-        raise RuntimeError(
-            f"symmetric-memory rendezvous failed on rank {rank}/{num_ranks} ({device}, group {group_name!r}): {type(e).__name__}: {e}"
-        ) from e
-    with torch.cuda.device(device):
-        local.zero_()
-    peers = [local if peer == rank else handle.get_buffer(peer, (num_bytes,), torch.uint8) for peer in range(num_ranks)]
-    if any(p.device != device or p.numel() != num_bytes for p in peers):
-        raise RuntimeError(f"symmetric memory returned peer buffers {[(str(p.device), p.numel()) for p in peers]}, expected {num_bytes} bytes on {device}")
-    return ShardMemory(local=local, peers=peers, unified=None, stride=0, keepalive=(handle, local))
-
-
-# ----- CUDA: driver-allocated memory shared through CUDA IPC (the default) -----
 
 
 def cuda_ipc_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.device) -> ShardMemory:

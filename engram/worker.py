@@ -96,39 +96,6 @@ def gloo_group(store, rank: int, world: int, timeout: timedelta):
     return ProcessGroupGloo(store, rank, world, options)
 
 
-def named_group(store, rank: int, world: int, timeout: timedelta, name: str):
-    """A gloo-backed ProcessGroup registered under `name`, outside torch.distributed's default group.
-
-    For callers of `allocators.symmetric_memory_allocator` (torch's symmetric memory finds a group by its
-    name); EngramGroup itself uses a plain `gloo_group` (its CUDA shards travel through CUDA IPC).
-    `release_named_group` undoes the registration.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch._C._distributed_c10d import _register_process_group
-
-    from .allocators import register_symmetric_memory_group
-
-    prefix = dist.PrefixStore(f"{name}/", store)
-    backend = gloo_group(dist.PrefixStore("cpu/", prefix), rank, world, timeout)
-    group = dist.ProcessGroup(prefix, rank, world)
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    group._set_group_name(name)
-    _register_process_group(name, group)
-    register_symmetric_memory_group(group, prefix)
-    return group
-
-
-def release_named_group(name: str) -> None:
-    from torch._C._distributed_c10d import _unregister_process_group
-
-    try:
-        _unregister_process_group(name)
-    except RuntimeError:
-        pass  # not registered (any more)
-
-
 def load_own_rows(buffer, rank: int, path: str) -> list[list[int]]:
     """Copy this rank's row ranges of every layer from a table file; returns the [layer, start, stop] read."""
     import torch
