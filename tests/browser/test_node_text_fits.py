@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from example_graphs import prepare_inputs  # scripts/ is on sys.path (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-from example_graphs import prepare_inputs  # noqa: E402
 
 TOLERANCE_PX = 2
 MAX_TEXT_LINES = 8  # web/fp8_engram.js folds text reports longer than this
