@@ -60,6 +60,8 @@ if not _pkg_link.exists():
     _pkg_link.parent.mkdir(parents=True, exist_ok=True)
     _pkg_link.symlink_to(ROOT, target_is_directory=True)
 
+from helpers.graphs import TINY_CLIP_L, TINY_UNET, fp8_loader  # noqa: E402 (tests/ on sys.path above): the tiny models' names
+
 logger = logging.getLogger("soak")
 
 CYCLE = ("fp8", "memorize", "quantize", "load", "fp8_te", "train", "cancel", "both")
@@ -70,7 +72,6 @@ FP8_FORMATS = ("comfy_quant_per_layer", "musubi_block64", "comfy_scaled_fp8", "m
 GRANULARITIES = ("tensor", "row", "block")
 CANCELS = ("train", "engram_load", "fp8_load")
 RSS_GROWTH_MAX = 0.05
-TINY_UNET, TINY_VAE, TINY_CLIP_L = "tiny_sd3.safetensors", "tiny_taesd3.safetensors", "tiny_clip_l.safetensors"
 PHRASE, TARGET_PHRASE = "glowing crystal apple", "rusty old bicycle"
 WITH_PHRASE = f"{PHRASE} on a wooden table"
 MEMORY_FILE = "soak_memory"
@@ -114,11 +115,6 @@ def prepare_models(base: Path) -> dict:
 
 
 # ----- graphs -----
-
-def _fp8_loader(name: str, compute_path: str = "auto") -> dict:
-    return {"class_type": "FP8Engram.LoadFP8DiffusionModel", "inputs": {
-        "unet_name": name, "compute_path": compute_path, "activation_scaling": "static", "compute_dtype": "auto"}}
-
 
 def _sample(graph: dict, positive: list, seed: int, model: list | None = None) -> dict:
     graph.setdefault("1", {"class_type": "UNETLoader", "inputs": {"unet_name": TINY_UNET, "weight_dtype": "default"}})
@@ -191,10 +187,10 @@ class Plan:
         text = f"{PHRASE} on a wooden table, picture {i}"
         formats = self.files["fp8"]
         if kind == "fp8":
-            graph = _with_texts({"1": _fp8_loader(formats[(2 * n) % len(formats)])})
+            graph = _with_texts({"1": fp8_loader(formats[(2 * n) % len(formats)])})
             return kind, _sample(graph, ["40", 0], seed), None
         if kind == "fp8_te":
-            graph = {"1": _fp8_loader(formats[(2 * n + 1) % len(formats)], "weight-only"),
+            graph = {"1": fp8_loader(formats[(2 * n + 1) % len(formats)], "weight-only"),
                      "2": {"class_type": "FP8Engram.LoadFP8TextEncoder", "inputs": {
                          "clip_name": self.files["clip_fp8"], "type": "sd3", "compute_path": "auto",
                          "activation_scaling": "static", "compute_dtype": "auto"}},
@@ -227,7 +223,7 @@ class Plan:
                 graph = _with_texts({"37": _load_memory(3), "3": _engram_apply(["37", 0], strength)})
                 graph["37"]["inputs"]["cpu_ranks"] = 3 + (n // len(CANCELS)) % 2  # a new group each time
                 return f"cancel_{what}", _sample(graph, ["3", 0], seed), ("executing", "37")
-            graph = _with_texts({"1": _fp8_loader(formats[n % len(formats)], "weight-only")})
+            graph = _with_texts({"1": fp8_loader(formats[n % len(formats)], "weight-only")})
             graph["1"]["inputs"]["compute_dtype"] = ("bfloat16", "float32")[(n // len(CANCELS)) % 2]  # a fresh load
             return f"cancel_{what}", _sample(graph, ["40", 0], seed), ("executing", "1")
         # "both": the cycle's last prompt, so every cycle ends with the same memories cached

@@ -7,6 +7,13 @@ TINY_VAE = "tiny_taesd3.safetensors"
 TINY_CLIP_L = "tiny_clip_l.safetensors"
 
 
+def fp8_loader(unet_name: str, compute_path: str = "auto") -> dict:
+    """A Load FP8 Diffusion Model node (static activation scaling, compute dtype auto)."""
+    return {"class_type": "FP8Engram.LoadFP8DiffusionModel",
+            "inputs": {"unet_name": unet_name, "compute_path": compute_path, "activation_scaling": "static",
+                       "compute_dtype": "auto"}}
+
+
 def sd3_txt2img(
     prompt: str = "a red apple on a wooden table",
     *,

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers import comfy029, fp8_files
-from helpers.graphs import TINY_UNET, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
 from helpers.host import comfy_in_process
 
 pytestmark = pytest.mark.integration
@@ -75,11 +75,6 @@ def _stock(name):
     return {"class_type": "UNETLoader", "inputs": {"unet_name": name, "weight_dtype": "default"}}
 
 
-def _pack(name):
-    return {"class_type": "FP8Engram.LoadFP8DiffusionModel",
-            "inputs": {"unet_name": name, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"}}
-
-
 def _latents(comfy, output_dir, graph) -> dict[str, torch.Tensor]:
     hist = comfy.run(graph)
     out = {}
@@ -92,14 +87,14 @@ def _latents(comfy, output_dir, graph) -> dict[str, torch.Tensor]:
 
 def test_stock_and_pack_fp8_models_with_loras_in_one_workflow_match_their_own_runs(comfy, output_dir, files):
     stock_alone = _latents(comfy, output_dir, _branch(_stock("beside_stock_a.safetensors"), files["stock"], 3, "bs1", 0))["10"]
-    pack_alone = _latents(comfy, output_dir, _branch(_pack("beside_pack_a.safetensors"), files["pack"], 3, "bs2", 0))["10"]
+    pack_alone = _latents(comfy, output_dir, _branch(fp8_loader("beside_pack_a.safetensors"), files["pack"], 3, "bs2", 0))["10"]
     both = {**_branch(_stock("beside_stock_b.safetensors"), files["stock"], 3, "bs3", 0),
-            **_branch(_pack("beside_pack_b.safetensors"), files["pack"], 3, "bs4", 100)}
+            **_branch(fp8_loader("beside_pack_b.safetensors"), files["pack"], 3, "bs4", 100)}
     together = _latents(comfy, output_dir, both)
     assert torch.equal(together["10"], stock_alone), "the stock FP8 model's output changed beside the pack's"
     assert torch.equal(together["110"], pack_alone), "the pack's FP8 model's output changed beside stock's"
     # the LoRAs were applied: without them each model gives something else
     stock_plain = _latents(comfy, output_dir, _branch(_stock("beside_stock_a.safetensors"), None, 3, "bs5", 0))["10"]
-    pack_plain = _latents(comfy, output_dir, _branch(_pack("beside_pack_a.safetensors"), None, 3, "bs6", 0))["10"]
+    pack_plain = _latents(comfy, output_dir, _branch(fp8_loader("beside_pack_a.safetensors"), None, 3, "bs6", 0))["10"]
     for with_lora, plain in ((stock_alone, stock_plain), (pack_alone, pack_plain)):
         assert float((with_lora - plain).norm()) > 0.05 * float(plain.norm())

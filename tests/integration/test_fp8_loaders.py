@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers import fp8_files
-from helpers.graphs import TINY_UNET, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
 
 pytestmark = pytest.mark.integration
 
@@ -31,12 +31,6 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
     ref = ref.double()
     err = (ref - x.double()).norm()
     return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
-
-
-def pack_loader(name: str, compute_path: str = "auto") -> dict:
-    return {"class_type": "FP8Engram.LoadFP8DiffusionModel",
-            "inputs": {"unet_name": name, "compute_path": compute_path, "activation_scaling": "static",
-                       "compute_dtype": "auto"}}
 
 
 def stock_loader(name: str) -> dict:
@@ -79,7 +73,7 @@ def reference(comfy, output_dir):
 @pytest.mark.parametrize("fmt", fp8_files.FORMATS)
 def test_every_format_loads_samples_and_is_close_to_full_precision(comfy, output_dir, fp8_models, reference, fmt):
     name, _ = fp8_models[fmt]
-    lat, hist = sample(comfy, output_dir, pack_loader(name))
+    lat, hist = sample(comfy, output_dir, fp8_loader(name))
     floor = {"plain_e4m3fn": 15.0, "plain_e5m2": 12.0}.get(fmt, 20.0)
     q = sqnr(reference, lat)
     print(f"{fmt}: latent SQNR vs full precision {q:.1f} dB")
@@ -94,7 +88,7 @@ def test_every_format_loads_samples_and_is_close_to_full_precision(comfy, output
 @pytest.mark.parametrize("fmt", fp8_files.STOCK_READABLE)
 def test_pack_and_stock_loader_agree_on_files_stock_reads(comfy, output_dir, fp8_models, fmt):
     name, _ = fp8_models[fmt]
-    ours, _ = sample(comfy, output_dir, pack_loader(name), seed=3)
+    ours, _ = sample(comfy, output_dir, fp8_loader(name), seed=3)
     stock, _ = sample(comfy, output_dir, stock_loader(name), seed=3)
     q = sqnr(stock, ours)
     print(f"{fmt}: pack vs stock {q:.1f} dB")
@@ -120,7 +114,7 @@ def test_quantize_then_save_loads_in_stock_unet_loader(comfy, output_dir, models
     shutil.copy(saved[-1], target)
     lat_stock, _ = sample(comfy, output_dir, stock_loader(target.name))
     assert sqnr(lat_q, lat_stock) > 35.0  # stock reads exactly what the pack quantized
-    lat_pack, _ = sample(comfy, output_dir, pack_loader(target.name))
+    lat_pack, _ = sample(comfy, output_dir, fp8_loader(target.name))
     assert sqnr(lat_q, lat_pack) > 35.0
 
 
@@ -146,8 +140,8 @@ def test_lora_on_fp8_moves_output_like_full_precision_and_unpatch_restores(comfy
     name, _ = fp8_models["comfy_quant_metadata"]
     full_base, _ = sample(comfy, output_dir, stock_loader(TINY_UNET), seed=11)
     full_lora, _ = sample(comfy, output_dir, stock_loader(TINY_UNET), seed=11, extra=lora_node, model_ref=["30", 0])
-    fp8_base, _ = sample(comfy, output_dir, pack_loader(name), seed=11)
-    fp8_lora, _ = sample(comfy, output_dir, pack_loader(name), seed=11, extra=lora_node, model_ref=["30", 0])
+    fp8_base, _ = sample(comfy, output_dir, fp8_loader(name), seed=11)
+    fp8_lora, _ = sample(comfy, output_dir, fp8_loader(name), seed=11, extra=lora_node, model_ref=["30", 0])
     d_full = full_lora - full_base
     d_fp8 = fp8_lora - fp8_base
     assert float(d_full.norm()) > 0.05 * float(full_base.norm())  # the LoRA really changes the output
@@ -156,9 +150,9 @@ def test_lora_on_fp8_moves_output_like_full_precision_and_unpatch_restores(comfy
     assert q > 10.0
     # after the LoRA run the loader's cached model is unpatched: a fresh seed must give exactly what a
     # freshly loaded model gives
-    after, _ = sample(comfy, output_dir, pack_loader(name), seed=12)
+    after, _ = sample(comfy, output_dir, fp8_loader(name), seed=12)
     comfy.free()
-    fresh, _ = sample(comfy, output_dir, pack_loader(name) | {"inputs": {**pack_loader(name)["inputs"],
+    fresh, _ = sample(comfy, output_dir, fp8_loader(name) | {"inputs": {**fp8_loader(name)["inputs"],
                                                                         "compute_dtype": "float32"}}, seed=12)
     assert torch.equal(after, fresh) or sqnr(fresh, after) > 60.0
 
@@ -171,9 +165,9 @@ def test_bad_file_gives_a_node_error_and_server_keeps_serving(comfy, output_dir,
     path = models_dir / "diffusion_models" / f"fp8t_bad_{kind}.safetensors"
     word = fp8_files.write_bad(sd, path, kind)
     with pytest.raises(WorkflowError) as info:
-        comfy.run(sd3_txt2img(model=pack_loader(path.name), save="latent", prefix=f"fp8t{next(_counter)}"))
+        comfy.run(sd3_txt2img(model=fp8_loader(path.name), save="latent", prefix=f"fp8t{next(_counter)}"))
     msg = str(info.value)
     assert path.name in msg and word.lower() in msg.lower(), msg
     # still serving
-    lat, _ = sample(comfy, output_dir, pack_loader(fp8_models["plain_e4m3fn"][0]), seed=100 + fp8_files.BAD_KINDS.index(kind))
+    lat, _ = sample(comfy, output_dir, fp8_loader(fp8_models["plain_e4m3fn"][0]), seed=100 + fp8_files.BAD_KINDS.index(kind))
     assert torch.isfinite(lat).all()

@@ -16,15 +16,13 @@ from safetensors.torch import load_file
 
 from helpers import fp8_files
 from helpers import fuzz_files as fz
-from helpers.graphs import TINY_CLIP_L, TINY_UNET
+from helpers.graphs import TINY_CLIP_L, TINY_UNET, fp8_loader
 
 pytestmark = pytest.mark.integration
 
 
 def load_fp8(name: str) -> dict:
-    return {"1": {"class_type": "FP8Engram.LoadFP8DiffusionModel",
-                  "inputs": {"unet_name": name, "compute_path": "auto", "activation_scaling": "static",
-                             "compute_dtype": "auto"}},
+    return {"1": fp8_loader(name),
             "2": {"class_type": "FP8Engram.WeightReport", "inputs": {"model": ["1", 0]}}}
 
 

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers import comfy029, fp8_files
-from helpers.graphs import TINY_UNET, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
 
 pytestmark = pytest.mark.integration
 
@@ -79,9 +79,7 @@ def _latent(comfy, output_dir, loader: dict, prefix: str) -> tuple[torch.Tensor,
 
 
 def test_mxfp8_file_loads_in_the_pack_and_samples_like_full_precision(comfy, output_dir, mxfp8_file):
-    pack = {"class_type": "FP8Engram.LoadFP8DiffusionModel",
-            "inputs": {"unet_name": NAME, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"}}
-    ours, hist = _latent(comfy, output_dir, pack, "mx_pack")
+    ours, hist = _latent(comfy, output_dir, fp8_loader(NAME), "mx_pack")
     full, _ = _latent(comfy, output_dir, {"class_type": "UNETLoader",
                                           "inputs": {"unet_name": TINY_UNET, "weight_dtype": "default"}}, "mx_full")
     q_full = sqnr(full, ours)
@@ -101,8 +99,7 @@ def test_saved_mxfp8_model_is_the_same_file_and_loads_in_stock_029(comfy, output
     src = models_dir / "diffusion_models" / NAME
     prefix = "mxfp8save/m"
     hist = comfy.run({
-        "1": {"class_type": "FP8Engram.LoadFP8DiffusionModel",
-              "inputs": {"unet_name": NAME, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"}},
+        "1": fp8_loader(NAME),
         "2": {"class_type": "FP8Engram.SaveFP8Model", "inputs": {"model": ["1", 0], "filename_prefix": prefix}},
     })
     text = hist["outputs"]["2"]["text"][0]

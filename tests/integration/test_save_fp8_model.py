@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from fp8_engram.quant import formats
 from helpers import fp8_files
-from helpers.graphs import TINY_UNET, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
 
 pytestmark = pytest.mark.integration
 
@@ -88,9 +88,7 @@ def test_loaded_fp8_file_is_saved_at_its_own_size(comfy, output_dir, models_dir,
     name = f"savedtype_src_{fmt}.safetensors"
     src = models_dir / "diffusion_models" / name
     fp8_files.write_format(sd, src, fmt)
-    loader = {"class_type": "FP8Engram.LoadFP8DiffusionModel",
-              "inputs": {"unet_name": name, "compute_path": "auto", "activation_scaling": "static", "compute_dtype": "auto"}}
-    graph, prefix = save_graph(loader)
+    graph, prefix = save_graph(fp8_loader(name))
     comfy.run(graph)
     path = saved_file(output_dir, prefix)
     size, source = path.stat().st_size, src.stat().st_size
