@@ -171,7 +171,11 @@ def test_long_reports_are_folded_on_the_node(page, example_inputs):
 def test_the_check_catches_text_that_overflows(page, example_inputs):
     """The measurement above is able to fail: a panel made to overflow (no wrapping, no scrolling,
     taller than its node) is reported."""
-    ids = page.evaluate("() => window.app.graph._nodes.filter(n => n.type.startsWith('FP8Engram.') && n.fp8EngramLastOutput).map(n => n.id)")
+    ran = "() => window.app.graph._nodes.filter(n => n.type.startsWith('FP8Engram.') && n.fp8EngramLastOutput).map(n => n.id)"
+    ids = page.evaluate(ran)
+    if not ids:  # run alone (-k): make a node with a panel first
+        run_and_wait(page, "engram_memorize_and_use", ["FP8Engram.EngramInspect"])
+        ids = page.evaluate(ran)
     assert ids
     look_at(page, ids[0])
     page.evaluate(
