@@ -148,15 +148,18 @@ def fit(
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    cancel: Callable[[], None] | None = None,
 ) -> FitResult:
     """Fit the rows the examples touch so that base + memory approaches target (see module doc).
 
     `progress(step, steps, loss)` is called after every step; `should_stop()` is polled before every
-    step: True stops early and writes what was learned so far. An exception raised by either callback
-    propagates and leaves the store untouched."""
+    step: True stops early and writes what was learned so far. `cancel()` is called along the preparation
+    of the examples (which takes a while for many examples) and raises to stop. An exception raised by any
+    callback propagates and leaves the store untouched."""
     if steps < 0 or batch_size < 1 or lr <= 0:
         raise ValueError(f"need steps >= 0, batch_size >= 1, lr > 0; got {steps}, {batch_size}, {lr}")
     result = FitResult()
+    cancel = cancel or (lambda: None)
     examples = [list(e) for e in examples if len(e)]
     if not examples:
         return result
@@ -164,6 +167,7 @@ def fit(
         # The union of touched rows per layer, and every example's indices remapped onto it.
         union: dict[int, torch.Tensor] = {}
         for layer in sorted({ex.layer for e in examples for ex in e}):
+            cancel()
             parts = [ex.indices[ex.indices >= 0] for e in examples for ex in e if ex.layer == layer]
             union[layer] = torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
         master = {layer: store.read_rows(layer, rows).float().clone() for layer, rows in union.items() if rows.numel()}
@@ -171,7 +175,9 @@ def fit(
         moment2 = {layer: torch.zeros_like(p) for layer, p in master.items()}
         row_step = {layer: torch.zeros(p.shape[0], dtype=torch.int64) for layer, p in master.items()}
         prepared = []
-        for e in examples:
+        for number, e in enumerate(examples):
+            if number % 64 == 0:
+                cancel()
             items = []
             for ex in e:
                 if ex.layer not in master:

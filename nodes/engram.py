@@ -810,30 +810,105 @@ class EngramMemorize(io.ComfyNode):
         return io.NodeOutput(memory, ui={"text": [summary]})
 
 
-def _read_pairs(path: str) -> list[dict]:
-    """Lines of a JSONL file: {"prompt": str, "target": str} or {"prompt": str, "target_conditioning": file}."""
-    pairs, errors = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+# What one line of a pairs file may hold. Prompts are text-encoder prompts: a few hundred characters
+# in practice; the bound keeps a runaway line (a whole book on one line) from being read, tokenized and
+# encoded whole, which would hold the server for minutes at gigabytes of memory.
+MAX_PAIR_TEXT_CHARS = 4096
+MAX_PAIR_LINE_BYTES = 64 * 1024
+_READ_CHECK_LINES = 256  # lines read between two looks at ComfyUI's cancel flag
+
+
+def _inside_input(name: str, what: str, relative_to: str | None = None) -> str:
+    """The real path of `name` inside ComfyUI's input folder (a name there, optionally with ComfyUI's
+    " [input]" annotation, or for files named by a pairs file, relative to that file's folder). Anything
+    that resolves outside the input folder (absolute paths, "..", symlinks that leave it) is refused
+    before it is opened, and so is anything but a regular file."""
+    base = os.path.realpath(folder_paths.get_input_directory())
+    plain, annotated_base = folder_paths.annotated_filepath(name.strip())
+    if annotated_base is not None and os.path.realpath(annotated_base) != base:
+        raise ValueError(f"{what} {name!r}: only files in ComfyUI's input folder can be used")
+    if "\0" in plain:
+        raise ValueError(f"{what} {name!r}: the name holds a NUL character")
+    start = base if relative_to is None else relative_to
+    path = os.path.realpath(os.path.join(start, plain)) if plain and not os.path.isabs(plain) else None
+    if path is None or os.path.commonpath([base, path]) != base:
+        raise ValueError(f"{what} {name!r} is not a file inside ComfyUI's input folder; put the file in the input "
+                         "folder and give its name there (absolute paths, '..' and links that leave the folder are refused)")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} {name!r} does not exist in ComfyUI's input folder")
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {name!r} is not a regular file")
+    return path
+
+
+def _pair_lines(f, cancel):
+    """(line number, bytes or None when the line is longer than MAX_PAIR_LINE_BYTES) for every line of
+    the binary file `f`; an overlong line is skipped in bounded pieces, never held whole."""
+    number = 0
+    while True:
+        line = f.readline(MAX_PAIR_LINE_BYTES + 1)
+        if not line:
+            return
+        number += 1
+        if number % _READ_CHECK_LINES == 0:
+            cancel()
+        if len(line) > MAX_PAIR_LINE_BYTES and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):  # the rest of the line, piece by piece
+                line = f.readline(1 << 20)
+                cancel()
+            yield number, None
+            continue
+        yield number, line
+
+
+def _read_pairs(path: str, cancel=lambda: None) -> list[dict]:
+    """Lines of a JSONL file: {"prompt": str, "target": str} or {"prompt": str, "target_conditioning": file}.
+    Streams the file; `cancel()` is called as it goes (it raises to stop)."""
+    pairs, errors, broken = [], [], 0
+
+    def broken_line(message: str) -> None:
+        nonlocal broken
+        broken += 1
+        if len(errors) < 20:
+            errors.append(message)
+
+    with open(path, "rb") as f:
+        for number, raw in _pair_lines(f, cancel):
+            if raw is None:
+                broken_line(f"line {number}: longer than {MAX_PAIR_LINE_BYTES // 1024} KiB (a pair's texts may hold "
+                            f"{MAX_PAIR_TEXT_CHARS} characters each)")
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                broken_line(f"line {number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as exc:
-                errors.append(f"line {number}: not JSON ({exc.msg})")
+                broken_line(f"line {number}: not JSON ({exc.msg})")
                 continue
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-                errors.append(f"line {number}: needs a string \"prompt\"")
+                broken_line(f"line {number}: needs a string \"prompt\"")
                 continue
             if not isinstance(item.get("target"), str) and not isinstance(item.get("target_conditioning"), str):
-                errors.append(f"line {number}: needs a string \"target\" or \"target_conditioning\" (a .safetensors file with key \"cond\")")
+                broken_line(f"line {number}: needs a string \"target\" or \"target_conditioning\" (a .safetensors file with key \"cond\")")
+                continue
+            long = [k for k in ("prompt", "target") if isinstance(item.get(k), str) and len(item[k]) > MAX_PAIR_TEXT_CHARS]
+            if long:
+                broken_line(f"line {number}: \"{long[0]}\" has {len(item[long[0]])} characters, more than the "
+                            f"{MAX_PAIR_TEXT_CHARS} a pair may hold")
                 continue
             item["line"] = number
             pairs.append(item)
-    if errors:
-        raise ValueError(f"{path}: {len(errors)} broken line(s): " + "; ".join(errors[:20]))
+    name = os.path.basename(path)
+    if broken:
+        more = f"; and {broken - len(errors)} more" if broken > len(errors) else ""
+        raise ValueError(f"{name}: {broken} broken line(s): " + "; ".join(errors) + more)
     if not pairs:
-        raise ValueError(f"{path}: no training pairs")
+        raise ValueError(f"{name}: no training pairs")
     return pairs
 
 
@@ -872,7 +947,7 @@ class EngramTrain(io.ComfyNode):
             inputs=[
                 EngramMemoryType.Input("memory", tooltip=MEMORY_TOOLTIP),
                 io.Clip.Input("clip", tooltip="The text encoder the memory was made with."),
-                io.String.Input("pairs_file", default="engram_pairs.jsonl", tooltip="JSONL file: an absolute path, or a path inside ComfyUI's input folder."),
+                io.String.Input("pairs_file", default="engram_pairs.jsonl", tooltip="JSONL file in ComfyUI's input folder (its name there; files elsewhere are refused). One pair per line, each text at most 4096 characters."),
                 io.Int.Input("steps", default=200, min=1, max=100000, tooltip="Optimizer steps."),
                 io.Float.Input("learning_rate", default=0.05, min=1e-5, max=10.0, step=0.001, tooltip="Adam learning rate."),
                 io.Int.Input("batch_size", default=16, min=1, max=4096, tooltip="Pairs per step."),
@@ -886,34 +961,38 @@ class EngramTrain(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, pairs_file, steps, learning_rate, batch_size, seed) -> io.NodeOutput:
-        path = pairs_file if os.path.isabs(pairs_file) else os.path.join(folder_paths.get_input_directory(), pairs_file)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Engram Train: pairs file {path} does not exist")
-        pairs = _read_pairs(path)
+        path = _inside_input(pairs_file, "Engram Train: pairs_file")
+        cancel = comfy.model_management.throw_exception_if_processing_interrupted
+        try:
+            pairs = _read_pairs(path, cancel)
+        except ValueError as exc:
+            raise ValueError(f"Engram Train: {exc}") from exc
         with _serving("Engram Train", memory):
             return cls._train(memory, clip, path, pairs, steps, learning_rate, batch_size, seed)
 
     @classmethod
     def _train(cls, memory, clip, path, pairs, steps, learning_rate, batch_size, seed) -> io.NodeOutput:
         _bind(memory, clip)
-        triples = []
+        name = os.path.basename(path)
+        examples = []
         for item in pairs:
+            comfy.model_management.throw_exception_if_processing_interrupted()
             tokens = _tokenize(clip, item["prompt"])
             base = _encode(clip, tokens)[0][0]
             if isinstance(item.get("target"), str):
                 target = _encode(clip, _tokenize(clip, item["target"]))[0][0]
             else:
-                cond_path = item["target_conditioning"]
-                if not os.path.isabs(cond_path):
-                    cond_path = os.path.join(os.path.dirname(path), cond_path)
+                where = f"Engram Train: {name} line {item['line']}: target_conditioning"
+                cond_path = _inside_input(item["target_conditioning"], where, relative_to=os.path.dirname(path))
                 try:
                     target = comfy.utils.load_torch_file(cond_path, safe_load=True)["cond"]
                 except Exception as exc:
-                    raise ValueError(f"Engram Train: {path} line {item['line']}: cannot read key 'cond' of {cond_path}: {exc}") from exc
+                    raise ValueError(f"{where}: cannot read key 'cond' of {item['target_conditioning']}: {exc}") from exc
                 if target.dim() == 2:
                     target = target.unsqueeze(0)
-            triples.append((tokens, base, target))
-        examples = memory.examples(triples)
+            # Each pair becomes its examples at once (only its streams' columns), so the whole CONDITIONING
+            # of every pair is never held together.
+            examples.extend(memory.examples([(tokens, base, target)]))
         bar = comfy.utils.ProgressBar(steps)
 
         def progress(step, total, loss):
@@ -929,7 +1008,8 @@ class EngramTrain(io.ComfyNode):
                 checked[0] = time.monotonic()
             return False
 
-        result = memory.fit(examples, steps=steps, lr=learning_rate, batch_size=batch_size, seed=seed, progress=progress, should_stop=should_stop)
+        result = memory.fit(examples, steps=steps, lr=learning_rate, batch_size=batch_size, seed=seed, progress=progress,
+                            should_stop=should_stop, cancel=comfy.model_management.throw_exception_if_processing_interrupted)
         summary = f"trained {result.steps} steps on {len(pairs)} pairs: loss {result.losses[0]:.5g} -> {result.losses[-1]:.5g}" if result.losses else "nothing to train"
         return io.NodeOutput(memory, _loss_curve_image(result.losses), ui={"text": [summary], "losses": result.losses})
 

@@ -1,0 +1,126 @@
+"""Hostile use of the engram nodes through the real server: files outside input/, runaway pairs files.
+
+Each case must end in an error that names the input (or a right answer) quickly, and the server must
+keep serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import psutil
+import pytest
+from comfyhost import WorkflowError
+
+from integration.test_engram_faults import clip_node, executing, interrupt, interrupted_node, new_memory, run_with
+
+pytestmark = pytest.mark.integration
+
+_serial = iter(range(10**6))
+
+
+def train_graph(pairs_file: str, steps: int = 3, rows_per_head: int = 1051) -> dict:
+    return {"2": clip_node(), "30": new_memory(rows_per_head, ranks=1),
+            "31": {"class_type": "FP8Engram.EngramTrain", "inputs": {
+                "memory": ["30", 0], "clip": ["2", 0], "pairs_file": pairs_file, "steps": steps,
+                "learning_rate": 0.05, "batch_size": 4, "seed": next(_serial)}},
+            "45": {"class_type": "PreviewImage", "inputs": {"images": ["31", 1]}}}
+
+
+def error_message(exc: WorkflowError) -> str:
+    for kind, data in exc.details.get("status", {}).get("messages", []):
+        if kind == "execution_error":
+            return f"{data['exception_type']}: {data['exception_message']}"
+    return str(exc)
+
+
+def run_error(comfy, graph: dict, timeout: float = 120.0) -> str:
+    with pytest.raises(WorkflowError) as info:
+        comfy.run(graph, timeout=timeout)
+    return error_message(info.value)
+
+
+# ----- Engram Train: pairs_file -----
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../../../../etc/passwd", "/proc/self/environ", "linked_passwd.jsonl",
+                                  "linked_dir/passwd", "[output]/../../../etc/passwd", "x [output]"])
+def test_train_opens_nothing_outside_the_input_folder(comfy, comfy_server, name):
+    input_dir = comfy_server.base_dir / "input"
+    input_dir.mkdir(exist_ok=True)
+    for link, target in (("linked_passwd.jsonl", "/etc/passwd"), ("linked_dir", "/etc")):
+        if not os.path.lexists(input_dir / link):
+            os.symlink(target, input_dir / link)
+    message = run_error(comfy, train_graph(name))
+    assert "input folder" in message, message
+    assert "line" not in message and "root" not in message, message  # nothing of the file was read back
+
+
+def test_train_target_conditioning_outside_the_input_folder_is_refused(comfy, comfy_server):
+    (comfy_server.base_dir / "input" / "cond_escape.jsonl").write_text(
+        json.dumps({"prompt": "a red apple", "target_conditioning": "../../../../etc/passwd"}) + "\n")
+    message = run_error(comfy, train_graph("cond_escape.jsonl"))
+    assert "line 1" in message and "input folder" in message, message
+
+
+def test_train_pairs_file_in_a_subfolder_of_input_works(comfy, comfy_server):
+    folder = comfy_server.base_dir / "input" / "pairs_sub"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ok.jsonl").write_text(json.dumps({"prompt": "a glowing crystal apple", "target": "a rusty old bicycle"}) + "\n")
+    history = comfy.run(train_graph("pairs_sub/ok.jsonl", steps=2))
+    assert len(history["outputs"]["31"]["losses"]) == 2
+
+
+# ----- Engram Train: runaway and broken pairs files -----
+
+def server_rss(comfy_server) -> int:
+    return psutil.Process(comfy_server.process.pid).memory_info().rss
+
+
+def test_train_on_one_huge_line_refuses_it_quickly_in_bounded_memory(comfy, comfy_server):
+    path = comfy_server.base_dir / "input" / "huge_line.jsonl"
+    with open(path, "w") as f:  # one valid pair whose prompt is 50 MB
+        f.write('{"prompt": "')
+        chunk = "a red apple " * 10000
+        for _ in range(50_000_000 // len(chunk)):
+            f.write(chunk)
+        f.write('", "target": "a rusty old bicycle"}\n')
+        f.write(json.dumps({"prompt": "a cat", "target": "a dog"}) + "\n")
+    before = server_rss(comfy_server)
+    started = time.monotonic()
+    message = run_error(comfy, train_graph("huge_line.jsonl"), timeout=90)
+    took = time.monotonic() - started
+    grew = server_rss(comfy_server) - before
+    print(f"huge line refused in {took:.2f} s, server RSS grew {grew / 2**20:.1f} MiB")
+    assert "huge_line.jsonl" in message and "line 1" in message and "KiB" in message, message
+    assert took < 30
+    assert grew < 100 * 2**20  # the line was never held whole
+
+
+def test_train_invalid_utf8_names_the_file_and_line(comfy, comfy_server):
+    (comfy_server.base_dir / "input" / "latin1.jsonl").write_bytes(
+        b'{"prompt": "a cat", "target": "a dog"}\n{"prompt": "caf\xe9", "target": "a dog"}\n')
+    message = run_error(comfy, train_graph("latin1.jsonl"))
+    assert "UnicodeDecodeError" not in message, message
+    assert "latin1.jsonl" in message and "line 2" in message and "UTF-8" in message, message
+
+
+def test_train_interrupt_while_encoding_many_pairs_lands_at_once(comfy, comfy_server):
+    """An interrupt while Engram Train encodes its pairs (before any step) stops it within seconds."""
+    words = "a quiet harbor at dawn with fishing boats and gulls over calm grey water " * 3
+    lines = [json.dumps({"prompt": f"{i} {words}", "target": f"{words} {i}"}) for i in range(1500)]
+    (comfy_server.base_dir / "input" / "many_pairs.jsonl").write_text("\n".join(lines) + "\n")
+    graph = train_graph("many_pairs.jsonl", steps=5)
+    sent = {}
+
+    def send():
+        time.sleep(2.0)  # well inside the encoding of 1500 pairs (minutes on this machine)
+        sent["at"] = time.monotonic()
+        interrupt(comfy)
+
+    _, exc, fired = run_with(comfy, graph, executing("31"), send)
+    ended = time.monotonic()
+    assert fired and interrupted_node(exc) == "31", exc
+    print(f"interrupt landed {ended - sent['at']:.2f} s after it was sent")
+    assert ended - sent["at"] < 15
