@@ -361,6 +361,12 @@ class EngramMemory:
     def _check_cond(self, cond: torch.Tensor, placed: Sequence[StreamTokens]) -> None:
         if not isinstance(cond, torch.Tensor) or cond.dim() != 3:
             raise EngramMemoryError(f"CONDITIONING must be a [batch, rows, columns] tensor, got {getattr(cond, 'shape', type(cond).__name__)}")
+        layout = self.config.layout
+        if cond.shape[2] != layout.conditioning_width:
+            raise EngramMemoryError(
+                f"the CONDITIONING is {cond.shape[2]} columns wide, but {layout.family.upper()} text encoders "
+                f"({', '.join(layout.names)}) make {layout.conditioning_width}: it comes from another type of text "
+                "encoder than this memory was made for")
         for p in placed:
             if p.rows.stop > cond.shape[1] or p.cols.stop > cond.shape[2]:
                 raise EngramMemoryError(

@@ -35,6 +35,7 @@ import torch
 CLIP_L_WIDTH = 768
 CLIP_G_WIDTH = 1280
 T5XXL_WIDTH = 4096
+SD3_CLIP_PADDED_WIDTH = 4096
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,15 @@ class StreamLayout:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StreamLayout":
         return cls(str(data["family"]), tuple(Stream.from_dict(s) for s in data["streams"]))
+
+    @property
+    def conditioning_width(self) -> int:
+        """Columns of the CONDITIONING this family's text encoders make: the end of the last stream's
+        columns, and in SD3 at least 4096 when a CLIP is loaded (ComfyUI pads the CLIP block to 4096)."""
+        width = max(s.col_start + s.width for s in self.streams)
+        if self.family == "sd3" and any(s.token_key in ("l", "g") for s in self.streams):
+            width = max(width, SD3_CLIP_PADDED_WIDTH)
+        return width
 
     def row_starts(self, token_counts: Mapping[str, int]) -> dict[str, int]:
         """First CONDITIONING row of every stream, given the number of tokens (rows) each stream's

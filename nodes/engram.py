@@ -123,7 +123,25 @@ def _encode(clip, tokens: dict) -> list:
     return clip.encode_from_tokens_scheduled(_strip_word_ids(tokens))
 
 
+def _check_clip_type(memory: EngramMemory, clip) -> None:
+    """Refuse a CLIP of another type than the memory's (its tokenizers may be the same, e.g. CLIP-L in
+    SD1 and SD3, yet its conditioning is laid out otherwise), or one without an encoder the memory needs."""
+    layout = _clip_layout(clip)
+    want = memory.config.layout
+    if layout.family != want.family:
+        raise EngramMemoryError(f"this memory was made for {want.family.upper()} text encoders, but the CLIP given is "
+                                f"{layout.family.upper()}; use the CLIP the memory was made with (or a memory made for this one)")
+    have = {s.name: s.width for s in layout.streams}
+    missing = [s.name for s in want.streams if s.name not in have]
+    if missing:
+        raise EngramMemoryError(f"this memory needs the text encoder(s) {missing}, which this {layout.family.upper()} CLIP has not loaded")
+    wrong = [f"{s.name} ({have[s.name]} wide, the memory's is {s.width})" for s in want.streams if have[s.name] != s.width]
+    if wrong:
+        raise EngramMemoryError(f"this CLIP's encoders differ from the memory's: {', '.join(wrong)}")
+
+
 def _bind(memory: EngramMemory, clip) -> None:
+    _check_clip_type(memory, clip)
     memory.bind_tokenizers(_clip_tokenizers(clip))
     # For nodes given no CLIP (Engram Apply): the last CLIP this memory was used with in this session.
     memory.host_clip = clip
@@ -670,8 +688,13 @@ class SaveEngramMemory(io.ComfyNode):
         name = name.strip()
         if not name or os.path.basename(name) != name or name.startswith("."):
             raise ValueError(f"Save Engram Memory: name {name!r} must be a plain file name (no folders)")
+        if any(ord(c) < 32 or ord(c) == 127 for c in name):
+            raise ValueError(f"Save Engram Memory: name {name!r} holds a control character (such as a NUL byte); use printable characters")
         if not name.endswith(".safetensors"):
             name += ".safetensors"
+        if len(os.fsencode(name)) > 255:
+            raise ValueError(f"Save Engram Memory: name {name[:40]!r}... is {len(os.fsencode(name))} bytes long with its "
+                             ".safetensors extension; a file name may hold at most 255")
         folder = folder_paths.get_folder_paths(FOLDER)[0]
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, name)

@@ -1,4 +1,5 @@
-"""Hostile use of the engram nodes through the real server: files outside input/, runaway pairs files.
+"""Hostile use of the engram nodes through the real server: files outside input/, runaway pairs files,
+odd names and mismatched text encoders.
 
 Each case must end in an error that names the input (or a right answer) quickly, and the server must
 keep serving.
@@ -14,7 +15,8 @@ import psutil
 import pytest
 from comfyhost import WorkflowError
 
-from integration.test_engram_faults import clip_node, executing, interrupt, interrupted_node, new_memory, run_with
+from helpers.graphs import TINY_CLIP_L
+from integration.test_engram_faults import clip_node, executing, interrupt, interrupted_node, memory_graph, new_memory, run_with
 
 pytestmark = pytest.mark.integration
 
@@ -124,3 +126,35 @@ def test_train_interrupt_while_encoding_many_pairs_lands_at_once(comfy, comfy_se
     assert fired and interrupted_node(exc) == "31", exc
     print(f"interrupt landed {ended - sent['at']:.2f} s after it was sent")
     assert ended - sent["at"] < 15
+
+
+# ----- Save Engram Memory -----
+
+def test_save_name_with_a_nul_byte_is_a_named_error(comfy):
+    graph = memory_graph(new_memory(1061, ranks=1), memorize=False)
+    graph["50"] = {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["30", 0], "name": "bad\x00name"}}
+    message = run_error(comfy, graph)
+    assert "Save Engram Memory" in message and "NUL" in message, message
+
+
+# ----- a memory of one CLIP type used with another -----
+
+def test_memory_of_one_clip_type_on_another_types_conditioning_is_refused(comfy):
+    graph = memory_graph(new_memory(1063, ranks=1))
+    graph["2"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": TINY_CLIP_L, "type": "stable_diffusion"}}  # SD1
+    graph["60"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": TINY_CLIP_L, "type": "sd3"}}
+    graph["61"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["60", 0], "text": "glowing crystal apple on a table"}}
+    graph["62"] = {"class_type": "FP8Engram.EngramApply", "inputs": {
+        "conditioning": ["61", 0], "text": "glowing crystal apple on a table", "memory": ["31", 0], "strength": 1.0}}
+    graph["64"] = {"class_type": "FP8Engram.ConditioningSimilarity", "inputs": {"a": ["62", 0], "b": ["61", 0], "first_row": 0, "rows": 0}}
+    message = run_error(comfy, graph)
+    assert "SD1" in message and ("4096" in message or "SD3" in message), message
+    graph["62"]["inputs"]["clip"] = ["60", 0]  # the other CLIP connected too
+    message = run_error(comfy, graph)
+    assert "SD1" in message and "SD3" in message, message
+    del graph["62"]
+    graph["63"] = {"class_type": "FP8Engram.EngramTextEncode", "inputs": {
+        "clip": ["60", 0], "text": "glowing crystal apple", "memory": ["31", 0], "strength": 1.0}}
+    graph["64"]["inputs"]["a"] = ["63", 0]
+    message = run_error(comfy, graph)
+    assert "SD1" in message and "SD3" in message, message
