@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -59,13 +60,20 @@ _SHUTDOWN_WAIT_S = 5.0
 class EngramWorkerError(RuntimeError):
     """A worker process of an EngramGroup died, failed to start, or failed a command.
 
-    The message names the rank (and `rank` holds it) whenever one rank is to blame.
+    The message names the rank (and `rank` holds it) whenever one rank is to blame. `state` says what
+    became of the worker: "died" (it ended; `exitcode` holds how), "stopped" (it is frozen: SIGSTOP or a
+    debugger), "unresponsive" (it runs but did not answer in time) or None (a command failed).
     """
 
-    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None) -> None:
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None, state: str | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
+        self.state = state if state is not None else ("died" if exitcode is not None else None)
+
+
+class NotEnoughMemoryError(MemoryError):
+    """A CPU group whose tables and worker processes the machine's available memory cannot hold."""
 
 
 # PR_SET_PDEATHSIG fires when the THREAD that started the child ends, so workers are started from one
@@ -100,6 +108,235 @@ def _launch(fn):
     return value
 
 
+_STOPPED_STATES = ("T", "t")  # /proc/<pid>/stat: stopped by a signal, stopped by a tracer
+_STOPPED_GRACE_S = 2.0  # a worker stopped this long while it is waited for is reported as frozen
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process `pid` in /proc (R, S, D, T, t, Z, ...); None when it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+# ----- the worker template (CPU workers are forked from it) -----
+
+_TEMPLATE_START_S = 120.0  # importing torch on a loaded machine
+
+
+class _ForkedProcess:
+    """A worker forked by the template: not a child of this process, so its exit code comes from the
+    template (which reaps it). Quacks like the subprocess.Popen parts the group uses."""
+
+    def __init__(self, template: "_Template", pid: int) -> None:
+        self.template = template
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.template.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"engram worker {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class _Template:
+    """The host's connection to its worker template process (see worker.py). One at a time per host
+    process, shared by every CPU group; it ends when the last group using it is released."""
+
+    def __init__(self) -> None:
+        host_end, template_end = socket.socketpair()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, _WORKER_SCRIPT, "--template", "--control-fd", str(template_end.fileno()), "--parent-pid", str(os.getpid())],
+                pass_fds=[template_end.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")),
+                close_fds=True,
+            )
+        finally:
+            template_end.close()
+        self.conn = Connection(host_end.detach())
+        self.users = 0
+        self.lock = threading.Lock()  # one fork request at a time
+        self.replies: queue.Queue = queue.Queue()
+        self.exits: dict[int, int] = {}
+        self.ended = False
+        threading.Thread(target=self._read, name="engram-template-reader", daemon=True).start()
+        try:
+            self._reply("start the engram worker template", _TEMPLATE_START_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "exit":
+                self.exits[message[1]] = message[2]
+            else:
+                self.replies.put(message)
+        self.ended = True
+        self.replies.put(("ended", None))
+
+    def _reply(self, what: str, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                kind, value = self.replies.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise EngramWorkerError(f"could not {what}: the engram worker template "
+                                            f"{'ended (exit code ' + str(self.process.returncode) + ')' if self.process.poll() is not None else 'did not answer'}") from None
+                continue
+            if kind == "ended":
+                raise EngramWorkerError(f"could not {what}: the engram worker template ended")
+            return value
+
+    @property
+    def alive(self) -> bool:
+        return not self.ended and self.process.poll() is None
+
+    def fork(self, rank: int, config: dict, fd: int) -> _ForkedProcess:
+        from multiprocessing.reduction import send_handle
+
+        with self.lock:
+            self.conn.send(("fork", rank, config))
+            send_handle(self.conn, fd, self.process.pid)
+            pid = self._reply(f"start engram worker rank {rank}", 30.0)
+        return _ForkedProcess(self, int(pid))
+
+    def exit_code(self, pid: int) -> int | None:
+        code = self.exits.pop(pid, None)
+        if code is None and self.ended and process_state(pid) in (None, "Z"):
+            code = -signal.SIGKILL  # the template ended and took its workers with it (PR_SET_PDEATHSIG)
+        return code
+
+    def release(self) -> None:
+        global _template
+        with _template_lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            if _template is self:
+                _template = None
+        self.stop()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        try:
+            self.process.wait(_SHUTDOWN_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.conn.close()
+
+
+_template: _Template | None = None
+_template_lock = threading.Lock()
+
+
+def _acquire_template() -> _Template:
+    """The running template (started through the launcher thread when there is none), with one more user."""
+    global _template
+    with _template_lock:
+        if _template is None or not _template.alive:
+            _template = _launch(_Template)
+        _template.users += 1
+        return _template
+
+
+def template_running() -> bool:
+    with _template_lock:
+        return _template is not None and _template.alive
+
+
+# ----- what CPU ranks cost in memory -----
+
+# Private memory (USS) of one forked CPU worker once its group is up, and of the template it is forked
+# from (a Python with torch imported), measured with bench/engram_rank_memory.py on the 2-core CPU
+# machine (torch 2.14.1: about 5 MB and 283 MB), rounded up. The tables are shared memory, counted once whatever the ranks.
+CPU_WORKER_BYTES = 16 << 20
+CPU_TEMPLATE_BYTES = 300 << 20
+# What a CPU group must leave available for everything else (ComfyUI's models above all).
+MEMORY_RESERVE_FRACTION = 0.10
+MEMORY_RESERVE_MIN_BYTES = 1 << 30
+
+
+def _meminfo() -> dict[str, int] | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1:] == ["kB"]}
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def cpu_group_cost(num_ranks: int, table_bytes: int, template_up: bool | None = None) -> int:
+    """Bytes of host memory a CPU group of `num_ranks` ranks holding `table_bytes` of tables adds."""
+    workers = max(num_ranks - 1, 0)
+    if template_up is None:
+        template_up = template_running()
+    return table_bytes + workers * CPU_WORKER_BYTES + (CPU_TEMPLATE_BYTES if workers and not template_up else 0)
+
+
+def check_cpu_memory(num_ranks: int, table_bytes: int, meminfo: dict[str, int] | None = None, template_up: bool | None = None) -> None:
+    """Raise NotEnoughMemoryError, with the figures, when the machine's available memory (MemAvailable)
+    minus a reserve (10 % of its memory, at least 1 GiB) cannot hold the tables and worker processes of
+    a CPU group of `num_ranks` ranks. Does nothing where /proc/meminfo cannot be read."""
+    info = _meminfo() if meminfo is None else meminfo
+    if not info or "MemAvailable" not in info:
+        return
+    if template_up is None:
+        template_up = template_running()
+    available = info["MemAvailable"]
+    reserve = max(int(info.get("MemTotal", 0) * MEMORY_RESERVE_FRACTION), MEMORY_RESERVE_MIN_BYTES)
+    need = cpu_group_cost(num_ranks, table_bytes, template_up)
+    room = available - reserve
+    if need <= room:
+        return
+    workers = num_ranks - 1
+    parts = [f"{_gib(table_bytes)} of tables"]
+    if workers:
+        parts.append(f"{workers} worker process(es) x {_gib(CPU_WORKER_BYTES)}")
+        if not template_up:
+            parts.append(f"{_gib(CPU_TEMPLATE_BYTES)} for the process they are forked from")
+    fits = 0
+    for ranks in range(num_ranks - 1, 0, -1):
+        if cpu_group_cost(ranks, table_bytes, template_up) <= room:
+            fits = ranks
+            break
+    advice = (f"use at most {fits} CPU rank(s)" if fits else "make the tables smaller (fewer rows_per_head, heads or max_order, or fp8_e4m3fn)")
+    raise NotEnoughMemoryError(
+        f"{num_ranks} CPU rank(s) need about {_gib(need)} ({' + '.join(parts)}), but this machine has "
+        f"{_gib(available)} available and {_gib(reserve)} of it stays free for ComfyUI and its models; {advice}")
+
+
 class _Worker:
     def __init__(self, rank: int, process: subprocess.Popen, conn: Connection) -> None:
         self.rank = rank
@@ -107,18 +344,25 @@ class _Worker:
         self.conn = conn
 
 
-def _release_group(workers: list[_Worker], holder: list) -> None:
+def _release_group(workers: list[_Worker], holder: list, templates: list | None = None) -> None:
     """Release in the order CUDA IPC wants: the host's mappings of peers, then the workers, then the host's shard."""
     buffer = holder.pop() if holder else None
-    if buffer is not None:
-        buffer.destroy(between=lambda: _shutdown_workers(workers))
-    else:
-        _shutdown_workers(workers)
+    try:
+        if buffer is not None:
+            buffer.destroy(between=lambda: _shutdown_workers(workers))
+        else:
+            _shutdown_workers(workers)
+    finally:
+        while templates:
+            templates.pop().release()
 
 
 def _shutdown_workers(workers: list[_Worker]) -> None:
     for worker in workers:
         if worker.process.poll() is None:
+            if process_state(worker.process.pid) in _STOPPED_STATES:
+                worker.process.kill()  # frozen: it would never read the request
+                continue
             try:
                 worker.conn.send(("shutdown",))
             except OSError:
@@ -179,7 +423,10 @@ class EngramGroup:
         self.rows_per_layer = [r * num_ranks for r in self.rows_per_rank]
         self.num_sf_packs = ue8m0.num_sf_packs(hidden) if table_dtype == torch.float8_e4m3fn else 0
         self.timeout = float(timeout)
+        if device == "cpu":
+            check_cpu_memory(num_ranks, self.table_bytes(self.rows_per_layer, hidden, table_dtype))
         self._workers: list[_Worker] = []
+        self._templates: list[_Template] = []
         self._failure: EngramWorkerError | None = None
         self.last_load_ranges: dict[int, list[list[int]]] = {}
         self._closed = False
@@ -188,12 +435,20 @@ class EngramGroup:
         self._group = None
         self._store = None
         # Releases everything when the group is closed, collected, or at interpreter exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, _release_group, self._workers, self._holder)
+        self._finalizer = weakref.finalize(self, _release_group, self._workers, self._holder, self._templates)
         try:
             self._start(device, num_entries_per_token, num_max_tokens, worker_threads)
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def table_bytes(rows_per_layer: Sequence[int], hidden: int, table_dtype: torch.dtype) -> int:
+        """Bytes of tables (scale factors included) `rows_per_layer` rows of `hidden` take."""
+        row = hidden * torch.empty((), dtype=table_dtype).element_size()
+        if table_dtype == torch.float8_e4m3fn:
+            row += 4 * ue8m0.num_sf_packs(hidden)
+        return sum(int(n) for n in rows_per_layer) * row
 
     def __repr__(self) -> str:
         return f"EngramGroup(num_ranks={self.num_ranks}, rows_per_layer={self.rows_per_layer}, hidden={self.hidden}, table_dtype={self.table_dtype}, device={self.device})"
@@ -222,8 +477,13 @@ class EngramGroup:
             "num_max_tokens": max_tokens,
             "threads": worker_threads,
         }
+        if device == "cpu" and self.num_ranks > 1:
+            self._templates.append(_acquire_template())
         for rank in range(1, self.num_ranks):
-            self._workers.append(_launch(lambda rank=rank: self._spawn_worker(rank, config)))
+            if self._templates:
+                self._workers.append(self._fork_worker(self._templates[0], rank, config))
+            else:
+                self._workers.append(_launch(lambda rank=rank: self._spawn_worker(rank, config)))
 
         def build() -> LocalEngramBuffer:
             # No torch.cuda.set_device here: the host's current device is ComfyUI's business (the
@@ -269,6 +529,17 @@ class EngramGroup:
             worker_end.close()
         return _Worker(rank, process, Connection(host_end.detach()))
 
+    def _fork_worker(self, template: _Template, rank: int, config: dict) -> _Worker:
+        host_end, worker_end = socket.socketpair()
+        try:
+            process = template.fork(rank, config, worker_end.fileno())
+        except BaseException:
+            host_end.close()
+            raise
+        finally:
+            worker_end.close()
+        return _Worker(rank, process, Connection(host_end.detach()))
+
     def _run_watched(self, fn, what: str):
         """Run a blocking collective step in a thread while watching the workers (never hang on a dead one)."""
         box: list = []
@@ -282,8 +553,11 @@ class EngramGroup:
         thread = threading.Thread(target=target, name="engram-collective", daemon=True)
         thread.start()
         deadline = time.monotonic() + self.timeout
+        stopped: dict[int, float] = {}
         while thread.is_alive():
             self._check_workers(what)
+            for worker in self._workers:
+                self._check_not_frozen(worker, stopped, what)
             if time.monotonic() > deadline:
                 ranks = [w.rank for w in self._workers]
                 raise EngramWorkerError(f"could not {what} within {self.timeout:.0f} s: worker rank(s) {ranks} did not take part (stuck?)", ranks[0] if len(ranks) == 1 else None)
@@ -304,13 +578,31 @@ class EngramGroup:
             if code is not None:
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 self._failure = EngramWorkerError(
-                    f"engram worker rank {worker.rank} (pid {worker.process.pid}) died ({how}); cannot {what}. Close this group and start a new one.",
+                    f"engram worker rank {worker.rank} (pid {worker.process.pid}) died ({how}); cannot {what}",
                     worker.rank,
                     code,
                 )
                 raise self._failure
 
+    def _check_not_frozen(self, worker: _Worker, stopped: dict[int, float], what: str) -> None:
+        """Raise when `worker`, which is being waited for, has been stopped (SIGSTOP, a debugger) for
+        _STOPPED_GRACE_S: it cannot answer until someone resumes it, so waiting out the timeout helps nobody.
+        `stopped` keeps, per rank, since when it was seen stopped."""
+        if process_state(worker.process.pid) not in _STOPPED_STATES:
+            stopped.pop(worker.rank, None)
+            return
+        since = stopped.setdefault(worker.rank, time.monotonic())
+        if time.monotonic() - since >= _STOPPED_GRACE_S:
+            self._failure = EngramWorkerError(
+                f"engram worker rank {worker.rank} (pid {worker.process.pid}) is stopped (frozen by SIGSTOP or a "
+                f"debugger) and cannot {what}",
+                worker.rank,
+                state="stopped",
+            )
+            raise self._failure
+
     def _receive(self, worker: _Worker, deadline: float, what: str) -> tuple[str, Any]:
+        stopped: dict[int, float] = {}
         while True:
             try:
                 if worker.conn.poll(_POLL_S):
@@ -318,8 +610,10 @@ class EngramGroup:
             except (EOFError, OSError):
                 time.sleep(_POLL_S)  # the process is going away; let poll() see it
             self._check_workers(what)
+            self._check_not_frozen(worker, stopped, what)
             if time.monotonic() > deadline:
-                raise EngramWorkerError(f"engram worker rank {worker.rank} did not answer within {self.timeout:.0f} s ({what})", worker.rank)
+                raise EngramWorkerError(f"engram worker rank {worker.rank} did not answer within {self.timeout:.0f} s ({what})",
+                                        worker.rank, state="unresponsive")
 
     def _command(self, message: tuple, what: str) -> list[Any]:
         """Send a command to every worker and collect the replies (raising the first failure)."""

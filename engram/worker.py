@@ -10,6 +10,14 @@ with the other ranks through CUDA IPC), reports "ready" on the control
 connection (a socket inherited from the host), then serves commands: ("load", path), ("ping",),
 ("shutdown",). It never outlives the host: PR_SET_PDEATHSIG, a parent-pid watchdog and EOF on the
 control connection each end it.
+
+CPU workers are not started as fresh interpreters: a fresh Python with torch imported holds about 280 MB
+of private memory (mostly the relocated pages of torch's libraries). `--template` starts one template
+process per host instead, which imports torch and this package once and then forks a worker per CPU
+rank on request; a forked worker shares the template's pages and owns only what it changes (a few MB).
+The template forks from its only thread, reaps its children and reports each one's exit code to the
+host; it dies with the host (PR_SET_PDEATHSIG, a parent-pid check, EOF on its connection), and its
+workers die with it.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _WATCHDOG_PERIOD_S = 0.5
+_TEMPLATE_POLL_S = 0.05  # how soon the template reports an ended worker
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -142,27 +151,16 @@ def serve(conn: Connection, buffer, rank: int) -> int:
                 conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="fp8-engram engram worker (started by EngramGroup)")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--control-fd", type=int, required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--config", required=True, help="JSON geometry and rendezvous settings")
-    args = parser.parse_args(argv)
-    _die_with_parent(args.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the host, which shuts us down
-    logging.basicConfig(level=logging.WARNING, format=f"[engram worker {args.rank}] %(levelname)s %(message)s", stream=sys.stderr)
-    config = json.loads(args.config)
-    conn = Connection(args.control_fd)
-
+def run_worker(rank: int, conn: Connection, config: dict) -> int:
+    """Join the group, allocate this rank's shard, report "ready", serve commands; returns the exit code."""
     import torch
 
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     from .buffer import LocalEngramBuffer
 
     try:
-        group, _store = make_process_group(config, args.rank)
-        device = rank_device(config, args.rank)
+        group, _store = make_process_group(config, rank)
+        device = rank_device(config, rank)
         buffer = LocalEngramBuffer(
             group,
             config["rows_per_rank"],
@@ -176,15 +174,118 @@ def main(argv: list[str]) -> int:
             gather="fixed_shape" if device.type == "cuda" else None,
         )
     except Exception as e:  # noqa: BLE001 - the host shows it
-        logger.exception("engram worker %d failed to start", args.rank)
+        logger.exception("engram worker %d failed to start", rank)
         try:
-            conn.send(("error", RuntimeError(f"engram worker {args.rank} failed to start: {type(e).__name__}: {e}")))
+            conn.send(("error", RuntimeError(f"engram worker {rank} failed to start: {type(e).__name__}: {e}")))
         except OSError:
             pass
-        os._exit(2)
+        return 2
     conn.send(("ready", os.getpid()))
-    code = serve(conn, buffer, args.rank)
+    code = serve(conn, buffer, rank)
     buffer.destroy()
+    return code
+
+
+def _log_to_stderr(name: str) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    logging.basicConfig(level=logging.WARNING, format=f"[{name}] %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def _forked_worker(rank: int, fd: int, template_pid: int, config: dict) -> int:
+    """The body of a worker forked by the template (runs in the child, never returns to the template)."""
+    _die_with_parent(template_pid)  # its watchdog thread is safe to start here: the fork is done
+    _log_to_stderr(f"engram worker {rank}")
+    return run_worker(rank, Connection(fd), config)
+
+
+def template_main(conn: Connection, parent_pid: int) -> int:
+    """Import what a worker needs, then fork workers on request until the host goes away.
+
+    Requests: ("fork", rank, config) followed by the worker's control socket (SCM_RIGHTS), answered by
+    ("forked", pid); ("stop",). Unasked: ("exit", pid, exit code) when a worker ends. No thread is
+    started here: a process that forks must have only the forking thread."""
+    import gc
+    from multiprocessing.reduction import recv_handle
+
+    import torch  # noqa: F401 - imported once here, shared by every forked worker
+    import torch.distributed  # noqa: F401
+
+    from . import allocators, buffer, store, table_file  # noqa: F401
+    from torch.distributed import ProcessGroupGloo  # noqa: F401
+
+    gc.collect()
+    gc.freeze()  # keep the collector from writing to (and so copying) the shared objects in the workers
+    conn.send(("ready", os.getpid()))
+    me = os.getpid()
+    while True:
+        try:
+            ready = conn.poll(_TEMPLATE_POLL_S)
+        except (EOFError, OSError):
+            return 3
+        if os.getppid() != parent_pid:
+            return 3
+        if ready:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return 3
+            if message[0] == "stop":
+                return 0
+            if message[0] == "fork":
+                _, rank, config = message
+                fd = recv_handle(conn)
+                pid = os.fork()
+                if pid == 0:
+                    code = 1
+                    try:
+                        conn.close()
+                        code = _forked_worker(rank, fd, me, config)
+                    except BaseException:  # noqa: BLE001 - a child must never return into the template's loop
+                        logger.exception("engram worker %d failed", rank)
+                    finally:
+                        sys.stderr.flush()
+                        os._exit(code)
+                os.close(fd)
+                conn.send(("forked", pid))
+        while True:  # reap ended workers and tell the host how they ended
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            try:
+                conn.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+            except OSError:
+                return 3
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="fp8-engram engram worker (started by EngramGroup)")
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--template", action="store_true", help="fork CPU workers on request instead of being one")
+    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--config", help="JSON geometry and rendezvous settings")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the host, which shuts us down
+    conn = Connection(args.control_fd)
+    if args.template:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: the parent-pid check of the loop still works
+            pass
+        if os.getppid() != args.parent_pid:
+            os._exit(3)
+        _log_to_stderr("engram worker template")
+        code = template_main(conn, args.parent_pid)
+    else:
+        _die_with_parent(args.parent_pid)
+        _log_to_stderr(f"engram worker {args.rank}")
+        code = run_worker(args.rank, conn, json.loads(args.config))
     sys.stderr.flush()
     # Skip interpreter teardown: destructors of a process group whose peers are gone can block.
     os._exit(code)

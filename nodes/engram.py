@@ -24,7 +24,7 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
-from ..engram.group import EngramWorkerError
+from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES, EngramWorkerError
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
 from ..engram.store import LocalRowStore
 from ..engram.streams import family_layout
@@ -287,10 +287,20 @@ def _how_it_died(code: int | None) -> str:
     return "" if code is None else (f" (killed by signal {-code})" if code < 0 else f" (exit code {code})")
 
 
+def _what_became(exc: BaseException) -> str:
+    """"died (killed by signal 9)", "was frozen (stopped)", "stopped answering" for a worker error."""
+    state = getattr(exc, "state", None)
+    if state == "stopped":
+        return "was frozen (stopped by SIGSTOP or a debugger)"
+    if state == "unresponsive":
+        return "stopped answering"
+    return f"died{_how_it_died(getattr(exc, 'exitcode', None))}"
+
+
 def _lost_reason(exc: BaseException) -> str:
     rank = getattr(exc, "rank", None)
     who = f"engram worker rank {rank}" if rank is not None else "an engram worker"
-    return f"lost: {who} died{_how_it_died(getattr(exc, 'exitcode', None))}"
+    return f"lost: {who} {_what_became(exc)}"
 
 
 def release_all(reason: str) -> int:
@@ -423,6 +433,10 @@ def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str
 
         ranks = len(cuda_rank_devices(gpu_ranks, torch.cuda.device_count()))
         return EngramGroup(rows_per_layer_fn(ranks), hidden, dtype, num_ranks=ranks, device="cuda")
+    from ..engram.group import EngramGroup, check_cpu_memory
+
+    # Refused, with the figures, before anything is allocated or started (EngramGroup checks too).
+    check_cpu_memory(cpu_ranks, EngramGroup.table_bytes(rows_per_layer_fn(cpu_ranks), hidden, dtype))
     if cpu_ranks == 1:
         return LocalRowStore(rows_per_layer_fn(1), hidden, dtype)
     from ..engram.group import EngramGroup
@@ -433,6 +447,10 @@ def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str
 _GPU_RANKS_TOOLTIP = ("CUDA processes holding the shards when devices = auto finds a GPU. 0: one per GPU. N: N processes "
                       "spread round-robin over the GPUs (rank r on GPU r mod GPU count), so several can share one GPU. "
                       "Not used on the CPU.")
+_CPU_RANKS_TOOLTIP = ("CPU processes holding the shards when no GPU is used (1 = in the ComfyUI process). Each further rank "
+                      f"is a worker process of about {CPU_WORKER_BYTES >> 20} MB of private memory, forked from one template "
+                      f"process (about {CPU_TEMPLATE_BYTES >> 20} MB, while any worker runs); the tables are shared memory, "
+                      "counted once. A count that the machine's available memory cannot hold is refused.")
 _DEVICES_TOOLTIP = ("auto: shards on the GPUs (gpu_ranks processes; one per GPU by default), or cpu_ranks CPU processes "
                     "when there is no GPU; cpu: cpu_ranks CPU processes.")
 
@@ -471,7 +489,8 @@ def _serving(node: str, memory: EngramMemory):
         rank = getattr(exc, "rank", None)
         code = getattr(exc, "exitcode", None)
         worker = f"its engram worker rank {rank}" if rank is not None else "one of its engram workers"
-        raise EngramWorkerError(f"{node}: {memory.name} lost {worker}{_how_it_died(code)}. {_recovery(memory)}", rank, code) from exc
+        raise EngramWorkerError(f"{node}: {memory.name} lost {worker}, which {_what_became(exc)}. {_recovery(memory)}",
+                                rank, code, getattr(exc, "state", None)) from exc
     except EngramMemoryError as exc:
         raise EngramMemoryError(f"{node}: {exc}") from exc
 
@@ -499,7 +518,7 @@ class NewEngramMemory(io.ComfyNode):
                 io.Int.Input("rows_per_head", default=65536, min=16, max=1 << 26, tooltip="Table rows per hash head (rounded up to a prime)."),
                 io.Combo.Input("dtype", options=list(_DTYPES), default="bf16", tooltip="Table storage: bf16, or FP8 E4M3 with per-128 UE8M0 scales (half the memory)."),
                 io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip=_DEVICES_TOOLTIP),
-                io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip="CPU processes holding the shards when no GPU is used (1 = in the ComfyUI process)."),
+                io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip=_CPU_RANKS_TOOLTIP),
                 io.Boolean.Input("context_gate", default=False, tooltip="Scale each token's memory value by how well it agrees with the token's conditioning."),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False, tooltip="Seed of the hash multipliers (a memory is only valid with its seed)."),
                 io.Int.Input("gpu_ranks", default=0, min=0, max=64, optional=True, tooltip=_GPU_RANKS_TOOLTIP),
@@ -592,7 +611,7 @@ class LoadEngramMemory(io.ComfyNode):
             inputs=[
                 io.Combo.Input("memory_name", options=_engram_files(), tooltip="A table file in models/engram (written by Save Engram Memory)."),
                 io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip=_DEVICES_TOOLTIP),
-                io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip="CPU processes holding the shards when no GPU is used (1 = in the ComfyUI process)."),
+                io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip=_CPU_RANKS_TOOLTIP),
                 io.Int.Input("gpu_ranks", default=0, min=0, max=64, optional=True, tooltip=_GPU_RANKS_TOOLTIP),
                 io.Clip.Input("clip", optional=True, tooltip="Optional: the CLIP the memory was made with (checked now instead of at first use)."),
             ],

@@ -1,5 +1,5 @@
 """Hostile use of the engram nodes through the real server: files outside input/, runaway pairs files,
-odd names and mismatched text encoders.
+CPU ranks the machine cannot hold, odd names, frozen workers and mismatched text encoders.
 
 Each case must end in an error that names the input (or a right answer) quickly, and the server must
 keep serving.
@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import psutil
 import pytest
 from comfyhost import WorkflowError
-
 from helpers.graphs import TINY_CLIP_L
-from integration.test_engram_faults import clip_node, executing, interrupt, interrupted_node, memory_graph, new_memory, run_with
+
+from integration.test_engram_faults import (
+    clip_node, engram_workers, interrupt, interrupted_node, load_memory, memory_graph, new_memory, node_text,
+    run_with, executing, similarity, wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -128,6 +132,42 @@ def test_train_interrupt_while_encoding_many_pairs_lands_at_once(comfy, comfy_se
     assert ended - sent["at"] < 15
 
 
+# ----- New Engram Memory: CPU ranks and memory -----
+
+def uss(pid: int) -> int:
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields["Private_Clean"] + fields["Private_Dirty"]
+
+
+def test_cpu_rank_workers_cost_little_private_memory(comfy, comfy_server):
+    graph = memory_graph(new_memory(1021, ranks=3), memorize=False)
+    history = comfy.run(graph)
+    pids = history["outputs"]["30"]["worker_pids"]
+    assert len(pids) == 2
+    private = [uss(pid) for pid in pids]
+    print(f"private memory per CPU worker: {[round(p / 2**20, 1) for p in private]} MiB")
+    assert all(p < 48 * 2**20 for p in private), private  # a whole Python + torch process is ~280 MB
+    assert similarity(history)["identical"] is True  # and the memory works
+    tooltip = comfy.object_info()["FP8Engram.NewEngramMemory"]["input"]["required"]["cpu_ranks"][1]["tooltip"]
+    assert "MB" in tooltip and "refused" in tooltip, tooltip
+
+
+def test_rank_count_the_memory_cannot_hold_is_refused_with_figures_before_any_worker_starts(comfy, comfy_server):
+    before = engram_workers(comfy_server)
+    graph = memory_graph(new_memory(1 << 26, ranks=64), memorize=False)  # 1.6 G rows of 768 columns: terabytes
+    graph["30"]["inputs"].update({"heads": 6, "max_order": 5})
+    started = time.monotonic()
+    message = run_error(comfy, graph, timeout=60)
+    assert time.monotonic() - started < 30
+    assert "NotEnoughMemoryError" in message and "64 CPU rank(s) need about" in message and "available" in message, message
+    assert engram_workers(comfy_server) <= before  # nothing was started
+
+
 # ----- Save Engram Memory -----
 
 def test_save_name_with_a_nul_byte_is_a_named_error(comfy):
@@ -158,3 +198,57 @@ def test_memory_of_one_clip_type_on_another_types_conditioning_is_refused(comfy)
     graph["64"]["inputs"]["a"] = ["63", 0]
     message = run_error(comfy, graph)
     assert "SD1" in message and "SD3" in message, message
+
+
+# ----- a frozen worker -----
+
+def log_size(comfy_server) -> int:
+    return comfy_server.log_path.stat().st_size
+
+
+def log_since(comfy_server, offset: int) -> str:
+    with open(comfy_server.log_path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def test_frozen_worker_on_reload_is_named_frozen_and_replaced_in_seconds(comfy, comfy_server, models_dir):
+    graph = memory_graph(new_memory(1069, ranks=1))
+    graph["50"] = {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["31", 0], "name": "frozen_source"}}
+    comfy.run(graph)
+    graph = memory_graph(load_memory("frozen_source.safetensors", ranks=2))  # Memorize writes: the next run reloads
+    first = comfy.run(graph)
+    pid = first["outputs"]["30"]["worker_pids"][0]
+    offset = log_size(comfy_server)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        graph["3"]["inputs"]["strength"] = 0.97
+        started = time.monotonic()
+        history = comfy.run(graph, timeout=120)
+        took = time.monotonic() - started
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    text = node_text(history, "30")
+    log = log_since(comfy_server, offset)
+    print(f"reload with a frozen worker took {took:.1f} s; node said: {text.splitlines()[0]}")
+    assert took < 50  # waiting out the command timeout alone took 60 s
+    assert "frozen" in text and "died" not in text, text
+    assert "frozen" in log and "died" not in log and "Close this group" not in log, log
+    wait_until(lambda: pid not in engram_workers(comfy_server), what="the frozen worker ending")
+    assert similarity(history)["identical"] is False  # the rebuilt memory works
+
+
+def test_no_log_line_tells_the_user_to_close_a_group(comfy, comfy_server):
+    graph = memory_graph(new_memory(1087, ranks=2), memorize=False)
+    pid = comfy.run(graph)["outputs"]["30"]["worker_pids"][0]
+    offset = log_size(comfy_server)
+    graph["3"]["inputs"]["text"] += " at dusk"  # Engram Text Encode runs again, the memory stays cached
+    graph["40"]["inputs"]["text"] += " at dusk"
+    _, exc, fired = run_with(comfy, graph, executing("3"), lambda: os.kill(pid, signal.SIGKILL))
+    assert fired and exc is not None
+    log = log_since(comfy_server, offset)
+    assert "worker rank 1" in log, log
+    assert "Close this group" not in log, log
