@@ -116,6 +116,25 @@ def _read(folder: str, name: str, cfg: ComputeConfig):
     return header, sd, report, metadata or None
 
 
+def _check_compute_range(patcher, sd: dict, report: formats.FormatReport, cfg: ComputeConfig, where: str) -> None:
+    """The loader checked every scale against float32's range (or the chosen compute dtype); ComfyUI
+    may pick float16 for the model (GPUs without bfloat16), whose range is far smaller: check again."""
+    if patcher is None or cfg.compute_dtype is not None:
+        return
+    model = patcher.model
+    dtype = getattr(model, "manual_cast_dtype", None) or model.get_dtype()
+    if dtype != torch.float16:
+        return
+    for info in report.layers:
+        qt = sd.get(info.weight_key)
+        if isinstance(qt, QuantizedTensor) and info.scale_key is not None:
+            try:
+                formats.check_scale_range(report.path, info.scale_key, qt.scale, info.fp8_dtype, dtype)
+            except formats.FormatError as exc:
+                raise ValueError(f"{where}: {exc} (ComfyUI computes this model in float16; pick compute_dtype "
+                                 "bfloat16 or float32)") from exc
+
+
 def _adopt(patcher, header: formats.SafetensorsHeader) -> None:
     """What every model this pack loads carries: its file's dtypes, and the workspace release on unload."""
     if patcher is None:
@@ -163,6 +182,7 @@ class LoadFP8DiffusionModel(io.ComfyNode):
         model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, metadata=metadata)
         if model is None:
             raise ValueError(f"diffusion_models/{unet_name}: ComfyUI could not detect the model type of this file")
+        _check_compute_range(model, sd, report, cfg, f"diffusion_models/{unet_name}")
         _adopt(model, header)
         return io.NodeOutput(model, ui={"fp8_summary": [_summary(report, cfg)]})
 
@@ -201,6 +221,7 @@ class LoadFP8Checkpoint(io.ComfyNode):
             model_options={"custom_operations": ops}, te_model_options={"custom_operations": ops}, metadata=metadata)
         if out is None:
             raise ValueError(f"checkpoints/{ckpt_name}: ComfyUI could not detect the model type of this file")
+        _check_compute_range(out[0], sd, report, cfg, f"checkpoints/{ckpt_name}")
         _adopt(out[0], header)
         if out[1] is not None:
             release_workspace_on_unload(out[1].patcher)

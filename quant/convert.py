@@ -53,7 +53,7 @@ def convert_file(src, dst, *, granularity: str = "tensor", fp8_dtype="e4m3fn", k
     keep = tuple(keep)
     if not overwrite and os.path.exists(dst):
         raise FileExistsError(f"{dst}: file exists; pass --overwrite or choose another name")
-    sd, report = formats.load_file(src)
+    sd, report = formats.load_file(src, mmap=True)  # a script: the file stays put, and big models need not fit in RAM
     sqnr: dict[str, float] = {}
     plan: dict = {}
     for key, t in sd.items():
