@@ -22,6 +22,7 @@ Loading goes through ComfyUI's own model construction with a fresh FP8 operation
 
 from __future__ import annotations
 
+import errno
 import io as _pyio
 import logging
 import math
@@ -407,7 +408,11 @@ class SaveFP8Model(io.ComfyNode):
         # are published in, so it stands in for a source dtype this pack never saw.
         unknown = torch.bfloat16 if comfy.model_management.get_torch_device().type == "cpu" else None
         dtypes, dtype_note = save.plain_dtypes(sd, SAVE_DTYPES[weight_dtype], source, unknown)
-        result = save.save_state_dict(sd, path, progress=_progress_fn(), dtypes=dtypes)
+        try:
+            result = save.save_state_dict(sd, path, progress=_progress_fn(), dtypes=dtypes)
+        except OSError as exc:  # say which node failed (SaveError names the file and what was kept)
+            detail = exc.strerror if isinstance(exc, save.SaveError) and exc.strerror else f"{path}: {exc}"
+            raise save.SaveError(exc.errno or errno.EIO, f"Save FP8 Model: {detail}") from exc
         report = formats.inspect_file(result.path)
         where = os.path.relpath(result.path, out_dir)
         msg = (f"saved output/{where}\n{result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} FP8 layers; "

@@ -101,12 +101,26 @@ class SaveError(OSError):
     that nothing was left under its name; `errno` is the operating system's error number."""
 
 
+# What a saved file's name adds to the user's name: "_00001_.safetensors" (ComfyUI's counter), "_00001"
+# (unique_path's counter when that name is taken), and the temporary file's "." + ".<16 hex>.tmp".
+NAME_SUFFIX_BYTES = len("_00001_.safetensors") + len("_00001") + len("..0123456789abcdef.tmp")
+
+
+def _name_max(folder: str) -> int:
+    """The longest file name (bytes) the file system of `folder` allows (255 where it cannot be asked)."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (AttributeError, OSError, ValueError):
+        return 255
+
+
 def check_output_prefix(filename_prefix: str, output_dir) -> tuple[str, str]:
     """Validate a user's `folder/name` prefix for a file inside `output_dir`.
 
     Returns (the prefix as a clean relative `folder/name`, the absolute folder it names). Raises
     ValueError for prefixes that try to leave the folder: absolute paths, drive letters, `..`
-    components, NUL bytes, or a folder that resolves (through symlinks) outside `output_dir`.
+    components, NUL bytes, or a folder that resolves (through symlinks) outside `output_dir`; and for
+    names longer than the file system allows (the file name with what saving adds to it).
     """
     text = str(filename_prefix).strip()
     shown = repr(text) if len(text) <= 200 else repr(text[:200] + "...")
@@ -122,6 +136,17 @@ def check_output_prefix(filename_prefix: str, output_dir) -> tuple[str, str]:
     if not parts or re.split(r"[\\/]+", text)[-1] in ("", "."):
         raise ValueError(f"filename_prefix {shown} has no file name; expected e.g. 'fp8/model'")
     root = os.path.realpath(os.fspath(output_dir))
+    name_max = _name_max(root)
+    for i, part in enumerate(parts):
+        size = len(part.encode("utf-8", "surrogatepass"))
+        room = name_max - (NAME_SUFFIX_BYTES if i == len(parts) - 1 else 0)
+        if size > room and i == len(parts) - 1:
+            raise ValueError(f"filename_prefix {shown}: its file name is {size} bytes long, more than the {room} this "
+                             f"file system leaves for it ({name_max} bytes per name, less {NAME_SUFFIX_BYTES} for the "
+                             "counter, extension and temporary suffix that saving adds): shorten it")
+        if size > room:
+            raise ValueError(f"filename_prefix {shown}: folder name {part[:40]!r}... is {size} bytes long, more than "
+                             f"the {name_max} this file system allows per name: shorten it")
     folder = os.path.join(root, *parts[:-1])
     real = os.path.realpath(folder)
     if os.path.commonpath([root, real]) != root:
@@ -190,7 +215,10 @@ def write_safetensors(path, entries: list[tuple[str, torch.dtype, tuple[int, ...
     if free < total:
         raise SaveError(errno.ENOSPC, f"{path}: the file needs {total / 2**20:,.2f} MiB but only {free / 2**20:,.2f} MiB "
                         f"are free in {folder}; nothing was written")
-    fd, tmp = _new_temp_file(folder, f".{os.path.basename(path)}.", ".tmp")
+    try:
+        fd, tmp = _new_temp_file(folder, f".{os.path.basename(path)}.", ".tmp")
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise _write_failed(path, exc, 0, total, existed) from exc
     written = 0
     try:
         try:
