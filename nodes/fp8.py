@@ -10,7 +10,8 @@ Nodes (ids "FP8Engram.<Name>", category "fp8-engram/fp8"):
 What the frontend gets: every node returns `ui` data in the executed message, read by
 web/fp8_engram.js:
 - loaders:  ui.fp8_summary = [{file, format, layers_quantized, layers_total, bytes_on_disk, bytes_bf16,
-            compute_path, fp8_dtypes, granularity, stock_comfyui_reads_scales, notes}]
+            compute_path, fp8_dtypes, granularity, stock_comfyui_reads_scales, notes,
+            int8 (when the int8 path converted weights: layers, mean/min SQNR, worst layer), int8_sqnr_db}]
 - quantize: ui.fp8_quality = [{granularity, dtype, layers, kept, mean_sqnr_db, min_sqnr_db, worst_layer}]
             and ui.text = [the per-layer table]
 - save:     ui.fp8_summary (of the written file) and ui.text = [a sentence saying where it went and
@@ -44,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 FP8_CATEGORY = f"{CATEGORY}/fp8"
 
-COMPUTE_PATHS = {"auto": "auto", "fp8 matmul": "fp8", "weight-only": "weight_only"}
+COMPUTE_PATHS = {"auto": "auto", "fp8 matmul": "fp8", "weight-only": "weight_only", "int8": "int8",
+                 "int8 without rotation": "int8"}
 ACT_SCALING = {"auto": "auto", "static": "static", "dynamic per tensor": "dynamic_tensor", "dynamic per row": "dynamic_row"}
 COMPUTE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ROUNDING = ("nearest", "stochastic")
@@ -56,8 +58,11 @@ SOURCE_DTYPES_ATTR = "fp8_engram_source_dtypes"
 def _options():
     return [
         io.Combo.Input("compute_path", options=list(COMPUTE_PATHS), default="auto",
-                       tooltip="auto: fp8 x fp8 matmul on GPUs with FP8 units (CUDA 8.9+), weight-only elsewhere. "
-                       "fp8 matmul: always try it (falls back if it fails). weight-only: dequantize and multiply."),
+                       tooltip="auto: fp8 x fp8 matmul on GPUs with FP8 units (CUDA 8.9+); int8 on GPUs with INT8 but "
+                       "no FP8 units (CUDA 7.5-8.6: RTX 20/30, A100) and CPUs with VNNI/AMX; weight-only elsewhere. "
+                       "fp8 matmul: always try it (falls back if it fails). weight-only: dequantize and multiply. "
+                       "int8: weights converted to int8 per channel at load (rotated by a 128-wide Hadamard "
+                       "transform, which tames activation outliers, unless 'without rotation'), activations per token."),
         io.Combo.Input("activation_scaling", options=list(ACT_SCALING), default="auto",
                        tooltip="How activations are scaled for fp8 x fp8. auto: one dynamic scale per row (token), "
                        "quantized in one fused pass; the most accurate and, on FP8 GPUs, the fastest. static: the "
@@ -73,7 +78,8 @@ def _options():
 
 def _config(compute_path, activation_scaling, compute_dtype) -> ComputeConfig:
     return ComputeConfig(path=COMPUTE_PATHS[compute_path], activation_scaling=ACT_SCALING[activation_scaling],
-                         compute_dtype=COMPUTE_DTYPES[compute_dtype])
+                         compute_dtype=COMPUTE_DTYPES[compute_dtype],
+                         int8_rotation=compute_path != "int8 without rotation")
 
 
 def _path_label(cfg: ComputeConfig) -> str:
@@ -81,11 +87,16 @@ def _path_label(cfg: ComputeConfig) -> str:
         return "weight-only"
     if cfg.path == "fp8":
         return f"fp8 matmul ({cfg.activation_scaling})"
+    int8_label = "int8 (rotated 128)" if cfg.int8_rotation else "int8 (no rotation)"
+    if cfg.path == "int8":
+        return int8_label
     device = comfy.model_management.get_torch_device()
     from ..quant import fp8_supported
+    from ..quant.int8 import int8_supported
 
-    return (f"auto: fp8 matmul ({cfg.activation_scaling})" if fp8_supported(device)
-            else f"auto: weight-only on {device}")
+    if fp8_supported(device):
+        return f"auto: fp8 matmul ({cfg.activation_scaling})"
+    return f"auto: {int8_label} on {device}" if int8_supported(device) else f"auto: weight-only on {device}"
 
 
 def _progress_fn():
@@ -144,10 +155,18 @@ def _adopt(patcher, header: formats.SafetensorsHeader) -> None:
     release_workspace_on_unload(patcher)
 
 
-def _summary(report: formats.FormatReport, cfg: ComputeConfig) -> dict:
+def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict:
     s = report.summary()
     s["layers_total"] = report.linear_weights
     s["compute_path"] = _path_label(cfg)
+    layers = getattr(ops, "int8_layers", None)
+    if layers:
+        # per-layer SQNR of the int8 conversion against the file's weights
+        s["int8_sqnr_db"] = {name: round(db, 2) for name, db in layers}
+        worst = min(layers, key=lambda item: item[1])
+        mean = sum(db for _, db in layers) / len(layers)
+        s["int8"] = {"layers": len(layers), "mean_sqnr_db": round(mean, 2), "min_sqnr_db": round(worst[1], 2),
+                     "worst_layer": worst[0]}
     return s
 
 
@@ -177,7 +196,8 @@ class LoadFP8DiffusionModel(io.ComfyNode):
     def execute(cls, unet_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype)
         header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
-        options = {"custom_operations": _ops(cfg, patch_rounding)}
+        ops = _ops(cfg, patch_rounding)
+        options = {"custom_operations": ops}
         if cfg.compute_dtype is not None:
             options["dtype"] = cfg.compute_dtype
         model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, metadata=metadata)
@@ -185,7 +205,7 @@ class LoadFP8DiffusionModel(io.ComfyNode):
             raise ValueError(f"diffusion_models/{unet_name}: ComfyUI could not detect the model type of this file")
         _check_compute_range(model, sd, report, cfg, f"diffusion_models/{unet_name}")
         _adopt(model, header)
-        return io.NodeOutput(model, ui={"fp8_summary": [_summary(report, cfg)]})
+        return io.NodeOutput(model, ui={"fp8_summary": [_summary(report, cfg, ops)]})
 
 
 VAE_PREFIXES = ("first_stage_model.", "vae.")
@@ -226,7 +246,7 @@ class LoadFP8Checkpoint(io.ComfyNode):
         _adopt(out[0], header)
         if out[1] is not None:
             release_workspace_on_unload(out[1].patcher)
-        return io.NodeOutput(out[0], out[1], out[2], ui={"fp8_summary": [_summary(report, cfg)]})
+        return io.NodeOutput(out[0], out[1], out[2], ui={"fp8_summary": [_summary(report, cfg, ops)]})
 
 
 def _clip_types() -> list[str]:
@@ -257,11 +277,12 @@ class LoadFP8TextEncoder(io.ComfyNode):
         cfg = _config(compute_path, activation_scaling, compute_dtype)
         header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
         clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
+        ops = _ops(cfg, patch_rounding)
         clip = comfy.sd.load_text_encoder_state_dicts(
             [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
-            model_options={"custom_operations": _ops(cfg, patch_rounding)})
+            model_options={"custom_operations": ops})
         release_workspace_on_unload(clip.patcher)
-        return io.NodeOutput(clip, ui={"fp8_summary": [_summary(report, cfg)]})
+        return io.NodeOutput(clip, ui={"fp8_summary": [_summary(report, cfg, ops)]})
 
 
 def _sqnr_plot(report) -> torch.Tensor:

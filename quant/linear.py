@@ -23,7 +23,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import int8, kernels
 from .config import DEFAULT_CONFIG, ComputeConfig
 from .layouts import Block, PerRow, PerTensor, QuantizationError, workspace
 from .tensor import QuantizedTensor, log_once
@@ -373,6 +373,27 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
 
 
 # ---------------------------------------------------------------------------------------------
+# the int8 path (int8.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _int8_weight(x, w: QuantizedTensor, bias, cfg: ComputeConfig):
+    """The Int8 weight to run ``w``'s product with on the int8 path, or None for the other paths.
+    Int8 weights take it unless weight-only is forced (under "auto" only where INT8 is fast); FP8
+    weights only when it is forced, converted once and kept on the weight."""
+    if cfg.path == "weight_only" or x.numel() == 0:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return None  # autograd goes through the dequantized weight
+    if int8.is_int8(w):
+        return w if cfg.path != "auto" or int8.int8_supported(x.device) else None
+    if cfg.path == "int8":
+        rotation = None if cfg.int8_rotation else 0
+        return _cached_on_weight(w, "int8", lambda: int8.to_int8(w, rotation))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
@@ -400,6 +421,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
             f"[{out_f}, {in_f}] (last input dim must be {in_f})"
         )
     cdt = _compute_dtype(x, cfg)
+    w8 = _int8_weight(x, weight, bias, cfg)
+    if w8 is not None:
+        return int8.int8_linear(x, w8, None if bias is None else bias.to(cdt), cdt)
     if not _wants_fp8(x, weight, cfg):
         return _weight_only(x, weight, bias, cdt)
 

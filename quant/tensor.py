@@ -33,6 +33,7 @@ from .layouts import (
     QuantizationError,
     check_fp8_dtype,
 )
+from .int8_layout import Int8
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ __all__ = ["QuantizedTensor", "log_once", "reset_log_once"]
 
 _TENSOR_FIELDS = ("qdata", "scale", "input_scale")  # input_scale may be None
 _META_FIELDS = ("layout", "orig_dtype", "config", "transposed")
-_LAYOUT_TYPES = (PerTensor, PerRow, Block)
+_LAYOUT_TYPES = (PerTensor, PerRow, Block, Int8)  # Int8: int8 qdata (int8_layout.py)
 _ORIG_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Filled by dispatch.py: aten overload -> handler(func, args, kwargs); callable -> handler(args, kwargs)
@@ -138,7 +139,7 @@ class QuantizedTensor(torch.Tensor):
                 f"{getattr(w, 'dtype', type(w).__name__)}"
             )
         _check_layout(layout)
-        check_fp8_dtype(fp8_dtype)
+        _check_data_dtype(layout, fp8_dtype, "fp8_dtype")
         if w.dim() == 0:
             raise QuantizationError("from_float needs at least a 1-D tensor, got a scalar")
         if not bool(torch.isfinite(w).all()):
@@ -166,7 +167,7 @@ class QuantizedTensor(torch.Tensor):
         _check_layout(layout)
         if not isinstance(qdata, torch.Tensor) or isinstance(qdata, QuantizedTensor):
             raise QuantizationError(f"qdata must be a plain torch.Tensor, got {type(qdata).__name__}")
-        check_fp8_dtype(qdata.dtype, "qdata.dtype")
+        _check_data_dtype(layout, qdata.dtype, "qdata.dtype")
         if qdata.dim() == 0:
             raise QuantizationError("qdata must have at least one dimension, got a scalar")
         if orig_dtype not in _ORIG_DTYPES:
@@ -311,10 +312,18 @@ def _rebuild_quantized_tensor(qdata, scale, input_scale, layout, orig_dtype, con
     return QuantizedTensor(qdata, scale, layout, orig_dtype, input_scale, config, transposed)
 
 
+def _check_data_dtype(layout, dtype, what: str) -> None:
+    if isinstance(layout, Int8):
+        if dtype != torch.int8:
+            raise QuantizationError(f"{what} must be torch.int8 for the Int8 layout, got {dtype}")
+    else:
+        check_fp8_dtype(dtype, what)
+
+
 def _check_layout(layout) -> None:
     if not isinstance(layout, _LAYOUT_TYPES):
         raise QuantizationError(
-            f"layout must be PerTensor(), PerRow() or Block(rows, cols), got {layout!r}"
+            f"layout must be PerTensor(), PerRow(), Block(rows, cols) or Int8(...), got {layout!r}"
         )
 
 
