@@ -367,6 +367,8 @@ class LayerInfo:
     input_scale_key: str | None = None
     full_precision_mm: bool = False  # the file says: do not run fp8 x fp8 on this layer
     consumed: tuple[str, ...] = ()  # keys (besides weight/scale/input scale) that belong to this layer
+    layout: object = None  # the layout itself where the granularity does not say it (ComfyUI int8 formats)
+    decode: object = None  # stored weight -> the layout's data (ComfyUI's packed 4-bit formats)
 
     def describe(self) -> str:
         lay = self.granularity if self.block is None else f"block {self.block[0]}x{self.block[1]}"
@@ -657,6 +659,10 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         is_fp8 = e.dtype in FP8_DTYPES
         if not (present or has_cq or in_meta):
             continue  # plain tensors and plain casts are decided below
+        if has_cq and e.dtype == torch.int8:  # ComfyUI 0.33's int8 formats: quant/comfy_int8.py
+            layers[wk], scales[wk] = _comfy_int8_layer(path, name, T, rd)
+            consumed.update((layers[wk].scale_key,) + layers[wk].consumed)
+            continue
         if len(present) > 1:
             raise _err(path, name + present[1], f"layer has several scale keys {present}",
                        "exactly one of .scale_weight, .weight_scale, .weight_scale_inv")
@@ -808,6 +814,8 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
             linear += 1
         if e.dtype in FLOAT_DTYPES or e.dtype in FP8_DTYPES:
             bf16 += e.numel * 2
+        elif k in layers:  # an int8 (or packed 4-bit) weight: its logical size in bf16
+            bf16 += math.prod(layers[k].shape) * 2
         else:
             bf16 += e.nbytes
     stock = all(i.granularity == "tensor" and i.source in (PLAIN, COMFY_SCALED, COMFY_METADATA) and
@@ -816,6 +824,9 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     if any(i.granularity == "mxfp8" for i in layers.values()):
         notes.append("mxfp8 layers (ComfyUI 0.29's own form): stock ComfyUI 0.29 and newer read them, 0.3.75 cannot "
                      "(for it, quantize per tensor)")
+    elif any(i.layout is not None for i in layers.values()):
+        notes.append("int8 layers in ComfyUI 0.33's own form (int8_tensorwise / convrot_w4a4 / asym_w4a8_int8): "
+                     "stock ComfyUI 0.33 reads them, 0.3.75 cannot")
     elif not stock:
         notes.append("stock ComfyUI 0.3.75 ignores the scales of this file's row/block/per-layer formats; load it with this pack")
     fp8_mm = not any(i.full_precision_mm for i in layers.values())
@@ -875,6 +886,8 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
             elif key in det.layers:
                 info = det.layers[key]
                 qdata = rd.get(key)
+                if info.decode is not None:
+                    qdata = info.decode(qdata)
                 layout = make_layout(info)
                 try:
                     qt = QuantizedTensor.from_parts(qdata, det.scales[key].to(qdata.device), layout,
@@ -892,9 +905,33 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
     return out, det.report
 
 
+def _comfy_int8_layer(path, name: str, T: dict, rd: "_LazyReader"):
+    """LayerInfo and scale of a layer in one of ComfyUI's int8 formats (int8_tensorwise, convrot_w4a4,
+    asym_w4a8_int8)."""
+    from .comfy_int8 import INT8_FORMATS, plan_layer
+
+    cq_key = name + ".comfy_quant"
+    ce = T[cq_key]
+    expected = 'uint8 bytes of a JSON object like {"format": "int8_tensorwise"}'
+    if ce.dtype != torch.uint8 or len(ce.shape) != 1 or ce.nbytes > MAX_COMFY_QUANT_BYTES:
+        raise _err(path, cq_key, f"comfy_quant tensor has dtype {_fp8_name(ce.dtype)} and shape {list(ce.shape)}",
+                   expected)
+    cq = _loads(path, cq_key, rd.get(cq_key).numpy().tobytes(), expected)
+    if not isinstance(cq, dict) or cq.get("format") not in INT8_FORMATS:
+        raise _err(path, cq_key, f"comfy_quant says {_short(cq)} for an int8 weight",
+                   "format " + ", ".join(repr(f) for f in INT8_FORMATS))
+    layout, shape, scale, scale_key, extra, decode = plan_layer(
+        lambda key, problem, want: _err(path, key, problem, want), name, cq, T, rd.get)
+    info = LayerInfo(name, COMFY_PER_LAYER, cq["format"], None, torch.int8, shape, name + ".weight", scale_key,
+                     None, bool(cq.get("full_precision_matrix_mult", False)), extra, layout, decode)
+    return info, scale
+
+
 def make_layout(info: LayerInfo):
     from .layouts import Block, PerRow, PerTensor
 
+    if info.layout is not None:
+        return info.layout
     if info.granularity == "mxfp8":
         from .mxfp8 import MXFP8
 

@@ -9,7 +9,9 @@
   (x @ blockdiag(H_b)) @ W_rot.T``: the linear rotates the activation once per call and the
   rotation spreads outlier channels over the block before the per-token int8 rounding;
 - ``regular``: ``H_b`` is ComfyUI ConvRot's "regular" Hadamard (Kronecker powers of a symmetric
-  4x4 matrix, ``b`` a power of 4), else Sylvester's (``b`` a power of 2; the pack's own default 128).
+  4x4 matrix, ``b`` a power of 4), else Sylvester's (``b`` a power of 2; the pack's own default 128);
+- ``cast_first``: dequantization casts to the target dtype before rotating back, and rotates in it
+  (how ComfyUI decodes ``asym_w4a8_int8``; the int8 product is the same either way).
 
 Dequantization is ComfyUI 0.33's rule for ``int8_tensorwise`` (with ``convrot``), operation for
 operation so that the bits agree: ``w = q.float() * scale``, then, when rotated,
@@ -97,6 +99,7 @@ class Int8:
     per_row: bool = True
     rotation: int = 0
     regular: bool = False
+    cast_first: bool = False  # dequantize casts before rotating back, in the target dtype (asym_w4a8)
 
     name = "int8"
 
@@ -141,7 +144,11 @@ class Int8:
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         w = q.float() * scale.to(device=q.device, dtype=torch.float32)
-        if self.rotation:
+        if self.rotation and self.cast_first:
+            n, k = w.shape
+            h = hadamard(self.rotation, self.regular, w.device).to(dtype)
+            w = torch.matmul(w.to(dtype).reshape(n, k // self.rotation, self.rotation), h.T).reshape(n, k)
+        elif self.rotation:
             w = unrotate(w, self.rotation, self.regular)
         if out is not None:
             return out.copy_(w)
