@@ -350,7 +350,10 @@ class QuantizeModelToFP8(io.ComfyNode):
                 io.Model.Input("model", tooltip="The diffusion model to quantize."),
                 io.Combo.Input("granularity", options=list(GRANULARITIES), default="tensor",
                                tooltip="One scale per tensor (stock ComfyUI can read it when saved), per row "
-                               "(output channel), or per 128x128 block."),
+                               "(output channel), or per 128x128 block. 'int8 tensor' / 'int8 row convrot': int8 "
+                               "weights (fp8_dtype is ignored) in ComfyUI 0.33's int8_tensorwise form, one scale per "
+                               "tensor, or per channel with its 256-wide ConvRot rotation (better quality); they run "
+                               "the int8 path where it is fast (or when the loader forces it)."),
                 io.Combo.Input("fp8_dtype", options=["e4m3fn", "e5m2"], default="e4m3fn",
                                tooltip="e4m3fn: more precision (the usual choice); e5m2: more range."),
                 io.String.Input("keep_patterns", default=", ".join(DEFAULT_KEEP), multiline=True,
@@ -441,6 +444,8 @@ class SaveFP8Model(io.ComfyNode):
                + ("Stock ComfyUI's Load Diffusion Model reads it unchanged." if result.stock_comfy_readable else
                   "Its MXFP8 layers are in ComfyUI 0.29's own form: stock ComfyUI 0.29 and newer read them; "
                   "ComfyUI 0.3.75 cannot (for it, quantize per tensor)." if "mxfp8" in result.granularities else
+                  "Its int8 layers are in ComfyUI 0.33's int8_tensorwise form: stock ComfyUI 0.33 and newer read "
+                  "them; older versions need this pack's loader." if "int8" in result.granularities else
                   "Stock ComfyUI cannot read its row/block-wise scales: load it with Load FP8 Diffusion Model."))
         summary = report.summary()
         summary["layers_total"] = report.linear_weights

@@ -35,7 +35,7 @@ import torch
 from .int8_layout import Int8
 from .layouts import QuantizationError
 
-__all__ = ["INT8_FORMATS", "plan_layer", "unpack_int4", "pack_int4", "decode_asym_w4a8", "file_tensors",
+__all__ = ["INT8_FORMATS", "plan_layer", "unpack_int4", "pack_int4", "decode_asym_w4a8", "file_tensors", "file_form",
            "comfy_quant_bytes"]
 
 INT8_FORMATS = ("int8_tensorwise", "convrot_w4a4", "asym_w4a8_int8")
@@ -147,7 +147,7 @@ def plan_layer(err, name: str, cq: dict, tensors: dict, get):
 
 def _layout(err, key, per_row, gs, k):
     try:
-        layout = Int8(per_row, gs, True)
+        layout = Int8(per_row, gs, bool(gs))
     except QuantizationError as exc:
         raise err(key, f"ConvRot group size {gs}: {exc}", "a power of 4 such as 256") from None
     if gs and k % gs:
@@ -160,22 +160,27 @@ def comfy_quant_bytes(conf: dict) -> torch.Tensor:
     return torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
 
 
-def file_tensors(w) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """An Int8 QuantizedTensor as ``(weight, weight_scale, comfy_quant dict)`` in ComfyUI's
-    ``int8_tensorwise`` form. Weights whose rotation ComfyUI cannot name (the pack's own 128-wide
-    Sylvester rotation, or a decoded asym_w4a8 weight) are re-quantized per channel with ConvRot 256
-    where K allows it, else per channel without rotation."""
-    layout = w.layout
+def file_form(layout, shape) -> tuple[Int8 | None, dict, tuple]:
+    """How an Int8 weight of ``shape`` [out, in] is written in ComfyUI's ``int8_tensorwise`` form:
+    ``(layout to requantize into or None to keep the data, comfy_quant dict, weight_scale shape)``.
+    Weights whose rotation ComfyUI cannot name (the pack's own 128-wide Sylvester rotation, a decoded
+    asym_w4a8 weight) are requantized per channel with ConvRot 256 where K allows it, else per channel."""
+    conf = {"format": "int8_tensorwise"}
     if not layout.cast_first and (layout.rotation == 0 or (layout.regular and layout.per_row)):
-        conf = {"format": "int8_tensorwise"}
         if layout.rotation:
             conf.update(convrot=True, convrot_groupsize=layout.rotation)
-        return w.qdata, w.scale.reshape(-1, 1) if layout.per_row else w.scale.reshape(()), conf
-    wf = w.dequantize(torch.float32)
-    gs = DEFAULT_CONVROT if wf.shape[1] % DEFAULT_CONVROT == 0 else 0
-    q, s = Int8(True, gs, bool(gs)).quantize(wf)
-    conf = {"format": "int8_tensorwise"}
+        return None, conf, (shape[0], 1) if layout.per_row else ()
+    gs = DEFAULT_CONVROT if shape[1] % DEFAULT_CONVROT == 0 else 0
     if gs:
         conf.update(convrot=True, convrot_groupsize=gs)
-    return q, s.reshape(-1, 1), conf
+    return Int8(True, gs, bool(gs)), conf, (shape[0], 1)
 
+
+def file_tensors(w) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """An Int8 QuantizedTensor as ``(weight, weight_scale, comfy_quant dict)`` in ComfyUI's
+    ``int8_tensorwise`` form (see :func:`file_form`)."""
+    target, conf, sshape = file_form(w.layout, tuple(w.qdata.shape))
+    if target is None:
+        return w.qdata, w.scale.reshape(sshape), conf
+    q, s = target.quantize(w.dequantize(torch.float32))
+    return q, s.reshape(sshape), conf

@@ -43,6 +43,10 @@ DEFAULT_KEEP: tuple[str, ...] = (
 )
 
 GRANULARITIES = ("tensor", "row", "block")
+# ComfyUI 0.33's int8_tensorwise form: one scale per tensor, or per channel with its ConvRot rotation
+# (regular Hadamard, 256 wide, where in_features allows it); these weights run the int8 path
+INT8_GRANULARITIES = ("int8 tensor", "int8 row convrot")
+GRANULARITIES = GRANULARITIES + INT8_GRANULARITIES
 FP8_NAMES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
              "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -67,6 +71,11 @@ def make_layout(granularity: str, block: tuple[int, int] = (128, 128)):
         return PerRow()
     if granularity == "block":
         return Block(int(block[0]), int(block[1]))
+    if granularity in INT8_GRANULARITIES:
+        from .comfy_int8 import DEFAULT_CONVROT
+        from .int8_layout import Int8
+
+        return Int8(False) if granularity == "int8 tensor" else Int8(True, DEFAULT_CONVROT, True)
     raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
 
 
@@ -154,10 +163,29 @@ class QuantizeReport:
         return "\n".join(lines)
 
 
+def fit_layout(layout, shape, fp8_dtype) -> tuple[object, torch.dtype]:
+    """(layout, data dtype) for one weight of `shape`: int8 layouts store int8 and drop a rotation
+    whose block does not divide in_features; FP8 layouts are returned as they are."""
+    from .int8_layout import Int8
+
+    if not isinstance(layout, Int8):
+        return layout, fp8_dtype
+    if layout.rotation and (len(shape) != 2 or shape[1] % layout.rotation):
+        layout = Int8(layout.per_row)
+    return layout, torch.int8
+
+
+def data_dtype_name(layout, fp8_dtype) -> str:
+    from .int8_layout import Int8
+
+    return "int8" if isinstance(layout, Int8) else str(fp8_dtype).removeprefix("torch.")
+
+
 def quantize_weight(w: torch.Tensor, layout, fp8_dtype, *, orig_dtype=None, stochastic_rounding=None, config=None):
     """One weight -> (QuantizedTensor, SQNR dB against the float64 original)."""
     from .tensor import QuantizedTensor
 
+    layout, fp8_dtype = fit_layout(layout, tuple(w.shape), fp8_dtype)
     qt = QuantizedTensor.from_float(w, layout, fp8_dtype=fp8_dtype, stochastic_rounding=stochastic_rounding)
     if orig_dtype is not None and qt.orig_dtype != orig_dtype:
         qt = QuantizedTensor.from_parts(qt.qdata, qt.scale, qt.layout, orig_dtype=orig_dtype)
@@ -185,7 +213,7 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
     layout = make_layout(granularity, block)
     keep = tuple(keep)
     report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
-                            str(fp8).removeprefix("torch."))
+                            data_dtype_name(layout, fp8))
     out: dict[str, torch.Tensor] = {}
     keys = list(sd)
     for i, key in enumerate(keys):
@@ -226,7 +254,7 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
     layout = make_layout(granularity, block)
     keep = tuple(keep)
     report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
-                            str(fp8).removeprefix("torch."))
+                            data_dtype_name(layout, fp8))
     linears = [(n, m) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) or _looks_linear(m)]
     new: dict[str, torch.Tensor] = {}
     for i, (name, m) in enumerate(linears):
@@ -252,5 +280,5 @@ def _looks_linear(m: torch.nn.Module) -> bool:
     return type(m).__name__ == "Linear" and hasattr(m, "in_features") and hasattr(m, "out_features")
 
 
-__all__ = ["DEFAULT_KEEP", "GRANULARITIES", "LayerQuality", "QuantizeReport", "quantize_state_dict", "quantize_module",
+__all__ = ["DEFAULT_KEEP", "GRANULARITIES", "INT8_GRANULARITIES", "fit_layout", "LayerQuality", "QuantizeReport", "quantize_state_dict", "quantize_module",
            "quantize_weight", "sqnr_db", "keep_reason", "make_layout", "fp8_dtype_from_name", "is_linear_weight"]

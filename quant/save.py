@@ -56,6 +56,8 @@ def layout_kind(layout) -> tuple[str, tuple[int, int] | None]:
         return "row", None
     if name == "Block":
         return "block", (int(layout.rows), int(layout.cols))
+    if name == "Int8":  # written in ComfyUI 0.33's int8_tensorwise form (comfy_int8.py)
+        return "int8", None
     raise ValueError(f"unknown QuantizedTensor layout {layout!r}; expected PerTensor, PerRow, Block or MXFP8")
 
 
@@ -343,6 +345,9 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
         if kind == "mxfp8":
             _add_mxfp8(add, layer, key, qt_of, shape, has_in)
             continue
+        if kind == "int8":
+            _add_int8(add, layer, key, qt_of, shape, layout)
+            continue
         add(key, (lambda k=key: qt_of(k).qdata), fp8, shape)
         if legacy_dtype is not None:
             add(layer + ".scale_weight", (lambda k=key: qt_of(k).scale.float().reshape(())), torch.float32, ())
@@ -376,6 +381,9 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
                      "ComfyUI 0.3.75 (and any ComfyUI without MXFP8) cannot read them: for those, quantize the "
                      "model per tensor" + ("" if kitchen else "; row-wise and block-wise layers of this file "
                                             "need this pack's loaders"))
+    elif "int8" in grans:
+        notes.append("int8 layers: written in ComfyUI 0.33's int8_tensorwise form, which 0.33 and newer load; "
+                     "older ComfyUI cannot, and this pack's loaders read them everywhere")
     elif quantized and not stock:
         notes.append("stock ComfyUI cannot apply row-wise or block-wise scales (or mixed e4m3fn/e5m2 layers): "
                      "load this file with this pack's loaders")
@@ -407,6 +415,28 @@ def _add_mxfp8(add, layer: str, key: str, qt_of, shape, has_in: bool) -> None:
         add(layer + ".input_scale", (lambda k=key: qt_of(k).input_scale.float().reshape(())), torch.float32, ())
     blob = json.dumps({"format": "mxfp8"}).encode("utf-8")
     add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
+
+
+def _add_int8(add, layer: str, key: str, qt_of, shape, layout) -> None:
+    """The entries of one Int8 layer in ComfyUI 0.33's int8_tensorwise form (`comfy_int8.file_tensors`)."""
+    from .comfy_int8 import comfy_quant_bytes, file_form, file_tensors
+
+    if len(shape) != 2:
+        raise ValueError(f"int8 weight '{key}' has shape {list(shape)}; expected [out, in]")
+    _, conf, sshape = file_form(layout, shape)
+    blob = comfy_quant_bytes(conf)
+    memo: dict = {}
+
+    def parts(k=key):
+        qt = qt_of(k)
+        if memo.get("qt") is not qt:
+            memo.clear()
+            memo.update(qt=qt, parts=file_tensors(qt))
+        return memo["parts"]
+
+    add(key, (lambda: parts()[0]), torch.int8, shape)
+    add(layer + ".weight_scale", (lambda: parts()[1].float()), torch.float32, sshape)
+    add(layer + ".comfy_quant", (lambda b=blob: b.clone()), torch.uint8, (blob.numel(),))
 
 
 _SOURCE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")

@@ -161,3 +161,47 @@ def test_written_int8_tensorwise_reads_back_exactly():
         if conf.get("convrot"):
             back = rotate_back(back, conf["convrot_groupsize"])
         assert (20 * math.log10(w.norm() / (w - back).norm())) > 38.0
+
+
+@pytest.mark.parametrize("granularity,convrot", [("int8 tensor", False), ("int8 row convrot", True)])
+def test_converter_writes_comfyuis_int8_tensorwise_form(tmp_path, granularity, convrot):
+    from fp8_engram.quant import convert
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(8)
+    src = {"m.big.weight": torch.randn(32, 512, generator=g).to(torch.bfloat16),
+           "m.odd.weight": torch.randn(16, 96, generator=g).to(torch.bfloat16), "m.odd.bias": torch.randn(16)}
+    save_file(src, str(tmp_path / "src.safetensors"))
+    out = tmp_path / "out.safetensors"
+    result, sqnr = convert.convert_file(tmp_path / "src.safetensors", out, granularity=granularity, keep=())
+    assert result.granularities == {"int8": 2} and "0.33" in " ".join(result.notes)
+    assert min(sqnr.values()) > 38.0
+    with safe_open(str(out), "pt") as f:
+        for layer, k in (("m.big", 512), ("m.odd", 96)):
+            conf = json.loads(bytes(f.get_tensor(layer + ".comfy_quant").tolist()))
+            q, s = f.get_tensor(layer + ".weight"), f.get_tensor(layer + ".weight_scale")
+            assert q.dtype == torch.int8 and conf["format"] == "int8_tensorwise"
+            rotated = convrot and k % 256 == 0
+            assert conf.get("convrot", False) == rotated
+            assert tuple(s.shape) == ((32 if k == 512 else 16, 1) if convrot else ())
+            # ComfyUI's rule gives the weight back
+            back = q.float() * s
+            if rotated:
+                back = rotate_back(back, conf["convrot_groupsize"])
+            assert (20 * math.log10(src[layer + ".weight"].float().norm() / (src[layer + ".weight"].float() - back).norm())) > 38
+
+
+def test_int8_weights_of_any_rotation_save_in_comfyuis_form(tmp_path):
+    from fp8_engram.quant import save
+    from fp8_engram.quant.int8 import to_int8
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(24, 512, generator=g)
+    sd = {"a.weight": to_int8(w), "b.weight": to_int8(w, rotation=0)}  # Sylvester 128 / none
+    save.save_state_dict(sd, tmp_path / "m.safetensors")
+    loaded, report = formats.load_file(tmp_path / "m.safetensors")
+    assert report.granularities == {"int8_tensorwise": 2}
+    assert loaded["a.weight"].layout.rotation == 256 and loaded["a.weight"].layout.regular
+    assert torch.equal(loaded["b.weight"].qdata, sd["b.weight"].qdata)  # kept as it was
+    for k in sd:
+        assert (20 * math.log10(w.norm() / (w - loaded[k].dequantize(torch.float32)).norm())) > 38
