@@ -6,8 +6,11 @@
    the rotated values, once to write the bytes; nothing rotated goes to memory).
    Rule (both implementations): ``xr = x @ blockdiag(H)`` in float32, ``scale = absmax(xr) / 127``
    (zero rows 1), ``q = clamp(rne(xr * (1 / scale)), -128, 127)``. Without rotation the bytes agree
-   exactly; with it the kernel's and torch's float32 dot products may sum in another order, which
-   moves a value sitting on a rounding tie by one step at most.
+   exactly; with it the kernel multiplies by the +-1 matrix (on tensor cores with bf16/fp16
+   operands, exact but for the float32 accumulation) and normalizes after, while torch multiplies
+   by the normalized matrix: sums in another order, which moves a value sitting on a rounding tie
+   by one step at most. Rotations up to 128 wide run in the kernel; wider ones (ComfyUI's 256) in
+   the twin.
 2. ``int8_linear_mm(xq, sa, wq, sb, bias, out_dtype)``: ``(xq @ wq.T) * sa * sb.T + bias`` with int32
    accumulation and the scales, bias and output dtype in the GEMM's epilogue. On the CPU the twin
    is ``torch._int_mm`` (oneDNN's int8 GEMM; the weight's ``[N, K]`` row-major bytes passed as the
@@ -64,33 +67,45 @@ def int8_linear_mm_torch(xq, sa, wq, sb, bias, out_dtype):
 
 @jit
 def _rne(v):
-    return (v + _RNE) - _RNE
+    # the literal is _RNE (a jit function can read only constexpr globals)
+    return (v + 12582912.0) - 12582912.0
 
 
 @jit
-def _quant_rows_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, sxm, sxk,
-                       BM: tl.constexpr, RB: tl.constexpr, ROT: tl.constexpr):
+def _rotated_tile(x_ptr, h, rows, cols, k0, rmask, K, sxm, sxk, norm,
+                  ROT: tl.constexpr, F32_DOT: tl.constexpr):
+    """One [BM, RB] tile of x, rotated (times the +-1 Hadamard ``h``, then ``norm``) in float32.
+    +-1 entries are exact in every dtype, so with x's own bf16/fp16 operands the tensor-core
+    product is exact up to its float32 accumulation; float32 x (and the interpreter, whose bf16
+    dot is wrong) take the float32 dot."""
+    m = rmask[:, None] & ((k0 + cols) < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * sxm + (k0 + cols)[None, :] * sxk, mask=m, other=0.0)
+    if ROT:
+        if F32_DOT:
+            x = tl.dot(x.to(tl.float32), h, input_precision="ieee") * norm
+        else:
+            x = tl.dot(x, h) * norm
+    return x.to(tl.float32)
+
+
+@jit
+def _quant_rows_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, sxm, sxk, norm,
+                       BM: tl.constexpr, RB: tl.constexpr, ROT: tl.constexpr, F32_DOT: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BM + tl.arange(0, BM)
     cols = tl.arange(0, RB)
     rmask = rows < M
-    if ROT:
-        h = tl.load(h_ptr + cols[:, None] * RB + cols[None, :])
+    h = tl.load(h_ptr + cols[:, None] * RB + cols[None, :]) if ROT else None
     amax = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, RB):
-        m = rmask[:, None] & ((k0 + cols) < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * sxm + (k0 + cols)[None, :] * sxk, mask=m, other=0.0).to(tl.float32)
-        if ROT:
-            x = tl.dot(x, h, input_precision="ieee")
+        x = _rotated_tile(x_ptr, h, rows, cols, k0, rmask, K, sxm, sxk, norm, ROT, F32_DOT)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     scale = amax / 127.0
     scale = tl.where(scale > 0, tl.maximum(scale, 1.1754943508222875e-38), 1.0)
     inv = 1.0 / scale
     for k0 in range(0, K, RB):
         m = rmask[:, None] & ((k0 + cols) < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * sxm + (k0 + cols)[None, :] * sxk, mask=m, other=0.0).to(tl.float32)
-        if ROT:
-            x = tl.dot(x, h, input_precision="ieee")
+        x = _rotated_tile(x_ptr, h, rows, cols, k0, rmask, K, sxm, sxk, norm, ROT, F32_DOT)
         v = tl.minimum(tl.maximum(_rne(x * inv[:, None]), -128.0), 127.0)
         tl.store(q_ptr + rows[:, None] * K + (k0 + cols)[None, :], v.to(tl.int8), mask=m)
     tl.store(s_ptr + rows, scale, mask=rmask)
@@ -101,11 +116,19 @@ def _quantize_rows_triton(x2d, rotation, regular):
     q = torch.empty(m, k, dtype=torch.int8, device=x2d.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x2d.device)
     rb = rotation or 128
-    h = hadamard(rotation, regular, x2d.device) if rotation else s  # unused without rotation
-    bm = 16 if rb <= 128 else 8
+    f32_dot = INTERPRET or x2d.dtype == torch.float32
+    if rotation:  # the +-1 matrix (exact in any dtype); its normalization multiplies the float32 result
+        h = (hadamard(rotation, regular, x2d.device) * rotation ** 0.5).round()
+        h = h.to(torch.float32 if f32_dot else x2d.dtype).contiguous()
+    else:
+        h = s  # not read
+    bm = 16
     if m:
+        # one stage: the loops gain nothing from pipelining, and staged copies of H would not fit
         _quant_rows_kernel[(triton.cdiv(m, bm),)](x2d, h, q, s, m, k, x2d.stride(0), x2d.stride(1),
-                                                   BM=bm, RB=rb, ROT=bool(rotation))
+                                                   float(rb ** -0.5), BM=bm, RB=rb, ROT=bool(rotation),
+                                                   F32_DOT=f32_dot,
+                                                   **({} if INTERPRET else {"num_warps": 8, "num_stages": 1}))
     return q, s
 
 
@@ -171,8 +194,10 @@ def _int8_linear_triton(xq, sa, wq, sb, bias, out_dtype):
 
 def quantize_rows_int8(x2d: torch.Tensor, rotation: int = 0, regular: bool = False):
     """(int8 [M, K], float32 scales [M, 1]) of the (block-rotated) activation, one pass."""
+    # rotations wider than 128 (ComfyUI's ConvRot 256) need an H too large for one program's
+    # registers: there cuBLAS rotates and torch quantizes
     if use_triton(x2d) and x2d.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
-            (rotation or 128) <= 256:
+            rotation <= 128:
         return _quantize_rows_triton(x2d, rotation, regular)
     return quantize_rows_int8_torch(x2d, rotation, regular)
 
