@@ -31,29 +31,40 @@ from .tensor import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["int8_supported", "to_int8", "int8_linear", "default_rotation", "conversion_sqnr_db",
+__all__ = ["int8_supported", "int8_fast", "to_int8", "int8_linear", "default_rotation", "conversion_sqnr_db",
            "is_int8", "ROTATION_BLOCK"]
 
 ROTATION_BLOCK = 128
 _cuda_ok: dict = {}
 
 
-def int8_supported(device) -> bool:
-    """Does ``auto`` pick INT8 on this device: CUDA capability 7.5 up to (not including) 8.9, where
-    FP8 units take over; an x86 CPU whose int8 dot-product instructions (AVX-512 VNNI / AVX-VNNI,
-    or AMX tiles) make int8 GEMMs faster than bf16 ones. Plain AVX2 CPUs have neither: there int8
-    GEMMs run slower than float ones, and weight-only stays the pick."""
+def _capability(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cuda_ok:
+        _cuda_ok[index] = torch.cuda.get_device_capability(index)
+    return _cuda_ok[index]
+
+
+def int8_fast(device) -> bool:
+    """Does the device multiply int8 faster than bf16: CUDA capability 7.5+ (int8 tensor cores), or an
+    x86 CPU with int8 dot-product instructions (AVX-512 VNNI / AVX-VNNI) or AMX tiles. Plain AVX2 CPUs
+    have neither: there int8 GEMMs run slower than float ones (bench/quant_linear.py --int8)."""
     device = torch.device(device)
     if device.type == "cpu":
         cpu = getattr(torch, "cpu", None)
         probes = ("_is_vnni_supported", "_is_amx_tile_supported")
         return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _cuda_ok:
-        _cuda_ok[index] = (7, 5) <= torch.cuda.get_device_capability(index) < (8, 9)
-    return _cuda_ok[index]
+    return device.type == "cuda" and _capability(device) >= (7, 5)
+
+
+def int8_supported(device) -> bool:
+    """Does ``auto`` convert FP8 weights to int8 on this device: where INT8 is fast and there are no FP8
+    matrix units (CUDA capability 7.5 up to, not including, 8.9, where fp8 x fp8 takes over; CPUs with
+    VNNI/AMX). Weights that are int8 already (ComfyUI's int8 files) run int8 wherever it is fast."""
+    device = torch.device(device)
+    if device.type == "cuda" and int8_fast(device):
+        return _capability(device) < (8, 9)
+    return int8_fast(device)
 
 
 def is_int8(w) -> bool:

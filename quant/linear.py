@@ -379,14 +379,15 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
 
 def _int8_weight(x, w: QuantizedTensor, bias, cfg: ComputeConfig):
     """The Int8 weight to run ``w``'s product with on the int8 path, or None for the other paths.
-    Int8 weights take it unless weight-only is forced (under "auto" only where INT8 is fast); FP8
-    weights only when it is forced, converted once and kept on the weight."""
+    Int8 weights take it unless weight-only is forced (under "auto" wherever INT8 is fast, FP8 GPUs
+    included); FP8 weights only when it is forced, converted once and kept on the weight (the loaders
+    convert them at load where "auto" wants int8)."""
     if cfg.path == "weight_only" or x.numel() == 0:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return None  # autograd goes through the dequantized weight
     if int8.is_int8(w):
-        return w if cfg.path != "auto" or int8.int8_supported(x.device) else None
+        return w if cfg.path != "auto" or int8.int8_fast(x.device) else None
     if cfg.path == "int8":
         rotation = None if cfg.int8_rotation else 0
         return _cached_on_weight(w, "int8", lambda: int8.to_int8(w, rotation))
@@ -423,7 +424,14 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     cdt = _compute_dtype(x, cfg)
     w8 = _int8_weight(x, weight, bias, cfg)
     if w8 is not None:
-        return int8.int8_linear(x, w8, None if bias is None else bias.to(cdt), cdt)
+        b = None if bias is None else bias.to(cdt)
+        try:
+            return int8.int8_linear(x, w8, b, cdt)
+        except Exception as exc:  # a kernel that cannot run here must not break the model
+            log_once(("int8_failed", x.device.type, type(exc).__name__, _first_line(exc)[:120]), logging.WARNING,
+                     "int8 linear failed on %s (%s: %s); using the weight-only path instead (logged once)",
+                     x.device, type(exc).__name__, _first_line(exc))
+            return _weight_only(x, w8, b, cdt)
     if not _wants_fp8(x, weight, cfg):
         return _weight_only(x, weight, bias, cdt)
 

@@ -132,7 +132,7 @@ def test_the_path_choice(monkeypatch):
     assert torch.equal(linear(x, w8, None, ComputeConfig(path="weight_only")), wo)
     assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), int8_out)
     for fast in (True, False):
-        monkeypatch.setattr(qint8, "int8_supported", lambda device, fast=fast: fast)
+        monkeypatch.setattr(qint8, "int8_fast", lambda device, fast=fast: fast)
         got = linear(x, w8, None, ComputeConfig(path="auto"))
         assert torch.equal(got, int8_out if fast else wo)
     # autograd: the input gradient goes through the dequantized weight
@@ -147,6 +147,8 @@ def test_auto_picks_int8_on_turing_and_ampere_not_on_fp8_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, cap=cap: cap)
         qint8._cuda_ok.clear()
         assert qint8.int8_supported("cuda:0") is want, cap
+        # int8 weights (ComfyUI's int8 files) run int8 on every GPU with int8 tensor cores
+        assert qint8.int8_fast("cuda:0") is (cap >= (7, 5)), cap
     qint8._cuda_ok.clear()
     vnni = torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
     assert qint8.int8_supported("cpu") is bool(vnni)
@@ -175,3 +177,29 @@ def test_module_state_dict_and_copy_keep_int8():
     assert torch.equal(clone.qdata, w8.qdata) and clone.layout == w8.layout
     moved = w8.to("cpu", copy=True)
     assert moved.qdata.dtype == torch.int8
+
+
+def test_a_failing_int8_kernel_falls_back_to_weight_only(monkeypatch):
+    w8 = qint8.to_int8(weight(16, 128))
+    x = torch.randn(4, 128)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no int8 kernel here")
+
+    monkeypatch.setattr(qint8, "int8_linear", broken)
+    assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), F.linear(x, w8.dequantize()))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 5)),
+                    reason="needs a CUDA GPU with int8 tensor cores (capability 7.5+)")
+@pytest.mark.parametrize("rotation", [0, 128])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_cuda_int8_path_matches_the_cpu_twin(rotation, m):
+    w = qint8.to_int8(weight(256, 512), rotation=rotation)
+    x = outlier_activation((m,), 512).to(torch.bfloat16)
+    b = torch.randn(256).to(torch.bfloat16)
+    cpu = qint8.int8_linear(x.float(), w, b.float(), torch.float32)
+    gpu = qint8.int8_linear(x.cuda(), w.to("cuda"), b.cuda(), torch.bfloat16)
+    assert gpu.dtype == torch.bfloat16 and sqnr(cpu, gpu.float().cpu()) > 40.0
+    ref = F.linear(x.double(), w.dequantize(torch.float64), b.double())
+    assert sqnr(ref, gpu.float().cpu()) > 27.0
