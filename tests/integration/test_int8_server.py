@@ -89,3 +89,27 @@ def test_a_comfyui_int8_tensorwise_file_loads_and_samples(comfy, output_dir, fil
     summary = hist["outputs"]["1"]["fp8_summary"][0]
     assert summary["granularity"] == {"int8_tensorwise": summary["layers_quantized"]}
     assert q > 20.0
+
+
+def test_quantize_to_int8_then_save_writes_comfyuis_form_that_loads_back(comfy, output_dir, models_dir, reference):
+    import json
+
+    prefix = f"int8save/m{next(_counter)}"
+    graph = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": TINY_UNET, "weight_dtype": "default"}},
+             "20": {"class_type": "FP8Engram.QuantizeModelToFP8",
+                    "inputs": {"model": ["1", 0], "granularity": "int8 row convrot", "fp8_dtype": "e4m3fn",
+                               "keep_patterns": "*embed*, *final_layer*"}},
+             "21": {"class_type": "FP8Engram.SaveFP8Model", "inputs": {"model": ["20", 0], "filename_prefix": prefix}}}
+    hist = comfy.run(graph)
+    assert "0.33" in hist["outputs"]["21"]["text"][0]
+    assert hist["outputs"]["20"]["fp8_quality"][0]["dtype"] == "int8"
+    files = sorted(output_dir.glob(prefix + "_*.safetensors"))
+    assert len(files) == 1, files
+    with safe_open(str(files[0]), framework="pt") as f:
+        confs = {k: json.loads(bytes(f.get_tensor(k).tolist())) for k in f.keys() if k.endswith(".comfy_quant")}
+        assert confs and all(c["format"] == "int8_tensorwise" for c in confs.values())
+        assert all(f.get_slice(k[: -len(".comfy_quant")] + ".weight").get_dtype() == "I8" for k in confs)
+    target = models_dir / "diffusion_models" / f"int8t_saved_{files[0].name}"
+    target.write_bytes(files[0].read_bytes())
+    lat, _ = sample(comfy, output_dir, loader(target.name, "int8"))
+    assert sqnr(reference, lat) > 20.0
