@@ -203,3 +203,10 @@ def test_cuda_int8_path_matches_the_cpu_twin(rotation, m):
     assert gpu.dtype == torch.bfloat16 and sqnr(cpu, gpu.float().cpu()) > 40.0
     ref = F.linear(x.double(), w.dequantize(torch.float64), b.double())
     assert sqnr(ref, gpu.float().cpu()) > 27.0
+
+
+def test_int8_weights_survive_torch_save_and_load_with_weights_only(tmp_path):
+    w8 = qint8.to_int8(weight(8, 128))
+    torch.save({"w": w8}, tmp_path / "w.pt")
+    back = torch.load(tmp_path / "w.pt", weights_only=True)["w"]
+    assert back.layout == w8.layout and torch.equal(back.qdata, w8.qdata) and torch.equal(back.scale, w8.scale)
