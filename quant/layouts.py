@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .numerics import scale_from_amax
+
 __all__ = [
     "QuantizationError",
     "FP8_DTYPES",
@@ -184,10 +186,8 @@ def _to_fp8(v: torch.Tensor, fp8_dtype: torch.dtype, generator) -> torch.Tensor:
 
 
 def _safe_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
-    """amax -> a positive, finite float32 scale (all-zero groups get scale 1)."""
-    scale = amax.to(torch.float32) / fmax
-    tiny = torch.finfo(torch.float32).tiny
-    return torch.where(scale > 0, scale.clamp_min(tiny), torch.ones_like(scale))
+    """amax -> a positive, finite float32 scale by the pack's one rule (``numerics``)."""
+    return scale_from_amax(amax, fmax)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ class PerRow:
                    out: torch.Tensor | None = None) -> torch.Tensor:
         if q.device.type != "cpu":
             return _off_cpu(q, scale, (1, q.shape[1]), dtype, out)
-        return _mul_scale(fp8_to(q, dtype, None, out), scale, dtype)
+        return _dequantize_scaled(q, scale, 1, q.shape[1], dtype, out)
 
 
 @dataclass(frozen=True)
@@ -317,14 +317,7 @@ class Block:
                    out: torch.Tensor | None = None) -> torch.Tensor:
         if q.device.type != "cpu":
             return _off_cpu(q, scale, (self.rows, self.cols), dtype, out)
-        w = fp8_to(q, dtype, None, out)
-        out, inp = q.shape
-        if out % self.rows == 0 and inp % self.cols == 0:
-            view = w.view(out // self.rows, self.rows, inp // self.cols, self.cols)
-            _mul_scale(view, scale[:, None, :, None], dtype)
-            return w
-        full = scale.repeat_interleave(self.rows, 0)[:out].repeat_interleave(self.cols, 1)[:, :inp]
-        return _mul_scale(w, full, dtype)
+        return _dequantize_scaled(q, scale, self.rows, self.cols, dtype, out)
 
 
 Layout = PerTensor | PerRow | Block
@@ -349,15 +342,46 @@ def _off_cpu(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype,
     return dequantize(q, scale, block, dtype, False, out)
 
 
-def _mul_scale(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """In place ``w *= scale`` (broadcast), w already in ``dtype``.
+# rows of float32 per step of the CPU dequantization: large enough for fp8_to's pair table,
+# small enough that the float32 temporary stays a bounded, reused buffer
+_DEQUANT_CHUNK_ELEMS = 1 << 22
 
-    bfloat16 has float32's exponent range, so rounding the scale to bfloat16 first costs at most
-    one extra bf16 rounding per element and avoids torch's slow mixed-dtype kernel (2x). Half
-    precision would lose small scales, so it multiplies in float32.
-    """
-    if dtype == torch.bfloat16:
-        return w.mul_(scale.to(torch.bfloat16))
-    if dtype == torch.float16:
-        return w.copy_(w.to(torch.float32).mul_(scale))
-    return w.mul_(scale.to(dtype))
+
+def _mul_blocks(w: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> None:
+    """In place ``w *= scale`` expanded over ``rows x cols`` blocks (w float32, 2-D)."""
+    m, k = w.shape
+    if m % rows == 0 and k % cols == 0:
+        w.view(m // rows, rows, k // cols, cols).mul_(scale[:, None, :, None])
+    else:
+        w.mul_(scale.repeat_interleave(rows, 0)[:m].repeat_interleave(cols, 1)[:, :k])
+
+
+def _dequantize_scaled(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
+                       dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """CPU dequantization of a per-row / block weight: ``float32(q) * scale`` rounded once into
+    ``dtype`` (``numerics``' rule), in row chunks through a reused float32 buffer. Multiplying a
+    bf16 tensor by bf16(scale) would be faster and round twice (3 dB less SQNR); torch's
+    mixed-dtype in-place multiply rounds once but is ~10x slower than this."""
+    if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(q.shape)
+                            or not out.is_contiguous() or out.device != q.device):
+        raise QuantizationError(
+            f"dequantize: out must be a contiguous {dtype} tensor of shape {list(q.shape)} on "
+            f"{q.device}, got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+    if dtype == torch.float32 or dtype == torch.float64:  # the product itself, no second rounding
+        w = fp8_to(q, dtype, None, out)
+        _mul_blocks(w, scale.to(dtype), rows, cols)
+        return w
+    s = scale.to(torch.float32)
+    n, k = q.shape
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype)
+    q = q.contiguous()
+    step = max(rows, (_DEQUANT_CHUNK_ELEMS // max(k, 1)) // rows * rows)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        tmp = workspace("dequant_f32", (j - i) * k, torch.float32).view(j - i, k)
+        fp8_to(q[i:j], torch.float32, None, tmp)
+        _mul_blocks(tmp, s[i // rows: -(-j // rows)], rows, cols)
+        out[i:j].copy_(tmp)
+    return out

@@ -53,7 +53,8 @@ def round_fp8_grid(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
     magic = ((step_e + 22 + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True) * 3.0
     a = mag.to(tl.float32, bitcast=True)
     r = (a + magic) - magic
-    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    r = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(y != y, y, r)  # NaN passes through
 
 
 @jit

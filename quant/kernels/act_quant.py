@@ -8,10 +8,11 @@ Modes:
             scales ``[M, ceil(K / 128)]`` in the column-major layout cuBLAS wants (stride (1, M))
 
 Both implementations compute the same float32 operations in the same order, so they give the
-same FP8 bytes and scales: ``scale = absmax / fmax`` (a zero row gets 1, a tiny one float32's
-smallest normal), ``inv = 1 / scale`` (IEEE division), ``q = fp8(clamp(x * inv, -fmax, fmax))``
-rounded to nearest even. Multiplying by the reciprocal (once per row) instead of dividing every
-element is what the GPU does fast; the twin does exactly the same.
+same FP8 bytes and scales, by the rule of ``quant/numerics.py``: ``scale = absmax * float32(1 /
+fmax)`` (a zero or NaN row gets 1, a tiny one float32's smallest normal), ``inv = 1 / scale`` (IEEE
+division), ``q = fp8(clamp(x * inv, -fmax, fmax))`` rounded to nearest even, NaN kept as NaN.
+Multiplying by the reciprocal (once per row) instead of dividing every element is what the GPU
+does fast; the twin does exactly the same.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import functools
 
 import torch
 
-from ..layouts import _safe_scale
+from ..numerics import FLOAT32_TINY, rcp_fmax, scale_from_amax as _safe_scale
 from ._triton import HAS_TRITON, INTERPRET, jit, round_fp8_grid, tl, triton
 
 __all__ = ["quantize_rows", "quantize_tensor", "quantize_groups", "tensor_scale",
            "quantize_rows_torch", "quantize_tensor_torch", "quantize_groups_torch",
            "row_absmax_torch", "GROUP"]
 
-TINY = float(torch.finfo(torch.float32).tiny)
+TINY = FLOAT32_TINY
 GROUP = 128
 _GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 _ONE_PASS_MAX_K = 16384  # whole rows up to this many elements stay in registers
@@ -88,19 +89,41 @@ def tensor_scale(x2d: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> torch.Tens
 
 
 @jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def _absmax(x, axis: tl.constexpr):
+    """Row absmax that is NaN where the row holds a NaN, as torch.amax (tl.max drops NaN)."""
+    return tl.reduce(tl.abs(x), axis, _max_keep_nan)
+
+
+@jit
+def _scale_of(amax, RCP: tl.constexpr, TINY_: tl.constexpr):
+    """``numerics.scale_from_amax``: one float32 multiply; zero and NaN give 1."""
+    s = amax * RCP
+    return tl.where(s > 0, tl.maximum(s, TINY_), 1.0)
+
+
+@jit
 def _store_fp8(q_ptrs, y, mask, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                EXACT: tl.constexpr):
-    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    # NaN stays NaN (torch.clamp keeps it; a plain min/max pair would turn it into +-FMAX)
+    y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
     if EXACT:
         y = round_fp8_grid(y, MBITS, EMIN)
-    tl.store(q_ptrs, y.to(q_ptrs.dtype.element_ty), mask=mask)
+    v = y.to(q_ptrs.dtype.element_ty)
+    if EXACT:  # the interpreter's cast turns NaN into a finite code; the GPU's gives NaN (0x7F)
+        v = tl.where(y != y, tl.full(y.shape, 0x7F, tl.uint8).to(v.dtype, bitcast=True), v)
+    tl.store(q_ptrs, v, mask=mask)
 
 
 @jit
 def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, sxm, sxk, sqm,
                  MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ONE_PASS: tl.constexpr, FMAX: tl.constexpr, TINY_: tl.constexpr,
-                 MBITS: tl.constexpr, EMIN: tl.constexpr, EXACT: tl.constexpr):
+                 ONE_PASS: tl.constexpr, FMAX: tl.constexpr, RCP: tl.constexpr,
+                 TINY_: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EXACT: tl.constexpr):
     """MODE 0: dynamic per row (writes q and scale per row); 1: static (s_ptr holds the one
     scale; writes q); 2: row absmax only (writes absmax per row into s_ptr)."""
     pid = tl.program_id(0)
@@ -116,12 +139,11 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, sxm, sxk, sqm,
             inv = tl.math.div_rn(1.0, tl.load(s_ptr))
             _store_fp8(q_row + cols[None, :], x * inv, mask, FMAX, MBITS, EMIN, EXACT)
         else:
-            amax = tl.max(tl.abs(x), axis=1)
+            amax = _absmax(x, 1)
             if MODE == 2:
                 tl.store(s_ptr + rows, amax, mask=rmask)
             else:
-                s = tl.math.div_rn(amax, FMAX)
-                s = tl.where(s > 0, tl.maximum(s, TINY_), 1.0)
+                s = _scale_of(amax, RCP, TINY_)
                 inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), s)
                 _store_fp8(q_row + cols[None, :], x * inv[:, None], mask, FMAX, MBITS, EMIN, EXACT)
                 tl.store(s_ptr + rows, s, mask=rmask)
@@ -135,10 +157,9 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, sxm, sxk, sqm,
                 c = k0 + cols
                 mask = rmask[:, None] & (c[None, :] < K)
                 x = tl.load(x_row + c[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+                amax = _max_keep_nan(amax, _absmax(x, 1))
             if MODE == 0:
-                s = tl.math.div_rn(amax, FMAX)
-                s = tl.where(s > 0, tl.maximum(s, TINY_), 1.0)
+                s = _scale_of(amax, RCP, TINY_)
                 inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), s)
                 tl.store(s_ptr + rows, s, mask=rmask)
             else:
@@ -154,7 +175,7 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, sxm, sxk, sqm,
 @jit
 def _groups_kernel(x_ptr, q_ptr, s_ptr, M, K, sxm, sxk, sqm, ssm, ssg,
                    ROWS: tl.constexpr, GROUP_: tl.constexpr, FMAX: tl.constexpr,
-                   TINY_: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                   RCP: tl.constexpr, TINY_: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                    EXACT: tl.constexpr):
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
@@ -164,9 +185,8 @@ def _groups_kernel(x_ptr, q_ptr, s_ptr, M, K, sxm, sxk, sqm, ssm, ssg,
     mask = rmask[:, None] & (cols[None, :] < K)
     r64 = rows[:, None].to(tl.int64)
     x = tl.load(x_ptr + r64 * sxm + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    s = tl.math.div_rn(amax, FMAX)
-    s = tl.where(s > 0, tl.maximum(s, TINY_), 1.0)
+    amax = _absmax(x, 1)
+    s = _scale_of(amax, RCP, TINY_)
     inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), s)
     _store_fp8(q_ptr + r64 * sqm + cols[None, :], x * inv[:, None], mask, FMAX, MBITS, EMIN, EXACT)
     tl.store(s_ptr + rows * ssm + g * ssg, s, mask=rmask)
@@ -198,7 +218,7 @@ def _launch_shape_for(k: int, one_pass_max: int):
 @functools.lru_cache(maxsize=None)
 def _kernel_args_cached(fp8_dtype):
     mbits, emin = _GRID[fp8_dtype]
-    return dict(FMAX=_fmax(fp8_dtype), TINY_=TINY, MBITS=mbits, EMIN=emin, EXACT=INTERPRET)
+    return dict(FMAX=_fmax(fp8_dtype), RCP=rcp_fmax(_fmax(fp8_dtype)), TINY_=TINY, MBITS=mbits, EMIN=emin, EXACT=INTERPRET)
 
 
 def _kernel_args(fp8_dtype):

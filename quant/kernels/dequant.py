@@ -3,12 +3,14 @@ Triton pass (reads one byte and writes one element per weight, no float32 copy),
 plain-torch twin.
 
 Scales are described by a block shape ``(R, C)`` over the [N, K] weight: per-tensor is one block
-covering everything, per-row ``(1, K)``, ``Block(r, c)`` itself. The rounding matches the CPU path
-in ``layouts.py`` bit for bit, so a weight dequantizes to the same bits on every device:
+covering everything, per-row ``(1, K)``, ``Block(r, c)`` itself. The rounding is ``numerics``' one
+rule, ``round(float32(q) * float32(scale))`` for every layout and output dtype, as the CPU path in
+``layouts.py`` computes it, so a weight dequantizes to the same bits on every device.
 
-- per-tensor, and any layout into float16 / float32: ``round(float(q) * scale)`` in float32;
-- per-row and block layouts into bfloat16: the scale is rounded to bfloat16 first (the CPU path
-  multiplies two bf16 tensors there), then ``round(float(q) * bf16(scale))``.
+Scales are read per tile, not per element: a tile of the kernel lies in one column block wherever
+the block width is a multiple of the tile width (per-row, per-tensor, 128x128, 1x64), so it loads
+one scale per row of the tile (a [BN] vector, one integer division per row) and broadcasts it.
+Other block widths (odd ones such as 48x80) take a gathered load per element.
 """
 
 from __future__ import annotations
@@ -17,14 +19,9 @@ import torch
 
 from ._triton import HAS_TRITON, INTERPRET, fp8_bits_to_f32, jit, round_bf16, tl, triton
 
-__all__ = ["dequantize", "dequantize_torch", "dequantize_triton", "scale_rounds_to_bf16",
-           "native_fp8"]
+__all__ = ["dequantize", "dequantize_torch", "dequantize_triton", "native_fp8", "tile_for"]
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def scale_rounds_to_bf16(per_tensor: bool, dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and not per_tensor
 
 
 def _full_scale(scale: torch.Tensor, block, shape) -> torch.Tensor:
@@ -37,8 +34,6 @@ def dequantize_torch(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.d
                      per_tensor: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """The twin: float32 product, one rounding (see the module docstring)."""
     s = scale.to(torch.float32)
-    if scale_rounds_to_bf16(per_tensor, dtype):
-        s = s.to(torch.bfloat16).to(torch.float32)
     if per_tensor or q.dim() != 2:
         w = q.to(torch.float32) * s.reshape(())
     else:
@@ -55,29 +50,47 @@ def dequantize_torch(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.d
 
 @jit
 def _dequant_kernel(q_ptr, s_ptr, o_ptr, N, K, sqn, sqk, son, ssr, ssc, R, C,
-                    BN: tl.constexpr, BK: tl.constexpr, SCALE_BF16: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, SCALES: tl.constexpr,
                     NATIVE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr):
+    """SCALES 0: one scale (per tensor); 1: the tile lies in one column block, one scale per
+    row of the tile; 2: any block shape, one gathered scale per element."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     k = pid_k * BK + tl.arange(0, BK)
-    mask = (n[:, None] < N) & (k[None, :] < K)
+    nmask = n < N
+    mask = nmask[:, None] & (k[None, :] < K)
     n64 = n[:, None].to(tl.int64)
     q = tl.load(q_ptr + n64 * sqn + k[None, :] * sqk, mask=mask)
     if NATIVE:
         w = q.to(tl.float32)
     else:
         w = fp8_bits_to_f32(q, E5M2)
-    s = tl.load(s_ptr + (n[:, None] // R) * ssr + (k[None, :] // C) * ssc, mask=mask, other=1.0)
-    if SCALE_BF16:
-        if EXACT:
-            s = round_bf16(s)
-        else:
-            s = s.to(tl.bfloat16).to(tl.float32)
-    y = w * s
+    if SCALES == 0:
+        y = w * tl.load(s_ptr)
+    elif SCALES == 1:
+        s = tl.load(s_ptr + (n // R) * ssr + ((pid_k * BK) // C) * ssc, mask=nmask, other=1.0)
+        y = w * s[:, None]
+    else:
+        s = tl.load(s_ptr + (n[:, None] // R) * ssr + (k[None, :] // C) * ssc, mask=mask, other=1.0)
+        y = w * s
     if EXACT and o_ptr.dtype.element_ty == tl.bfloat16:
         y = round_bf16(y)
     tl.store(o_ptr + n64 * son + k[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def tile_for(per_tensor: bool, block, k: int) -> tuple:
+    """(BN, BK, SCALES) of the dequantize kernel for a weight of ``k`` columns: 32x256 tiles
+    (8 KB of FP8 each), narrowed to the block width where that lets a tile sit in one block."""
+    if per_tensor:
+        return 32, 256, 0
+    c = block[1]
+    if c >= k or c % 256 == 0:
+        return 32, 256, 1
+    for bk in (128, 64):
+        if c % bk == 0:
+            return 8192 // bk, bk, 1
+    return 32, 256, 2
 
 
 _native: dict = {}
@@ -107,11 +120,11 @@ def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.
         ssr, ssc = s.stride(0), s.stride(1)
     native = native_fp8(q.device)
     qin = q if native else q.view(torch.uint8)
-    bn, bk = 32, 256
+    bn, bk, mode = tile_for(per_tensor, block, k)
     if n and k:
         _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
             qin, s, out, n, k, q.stride(0), q.stride(1), out.stride(0), ssr, ssc, r, c,
-            BN=bn, BK=bk, SCALE_BF16=scale_rounds_to_bf16(per_tensor, dtype), NATIVE=native,
+            BN=bn, BK=bk, SCALES=mode, NATIVE=native,
             E5M2=q.dtype == torch.float8_e5m2, EXACT=INTERPRET, num_warps=4)
     return out
 
