@@ -94,8 +94,6 @@ SCALED_MM_APIS = {"torch._scaled_mm": _call_private, "F.scaled_mm": _call_public
 _api_for: dict = {}
 _MISSING = object()
 _blockwise_for: dict = {}
-_rowwise_bf16_only: set = set()
-_bias_apart: set = set()
 
 
 def _present_apis() -> list:
@@ -151,58 +149,164 @@ def scaled_mm_api(device) -> str | None:
     return _api_for[key]
 
 
-def blockwise_supported(device) -> bool:
-    """Does this torch's scaled matmul take 1x128 x 128x128 block scales on ``device``
-    (cuBLAS 12.9+ on Hopper)? Probed once on a tiny product; never assumed."""
+# Forms of the scale operands that a block-wise scaled matmul may want. torch's shape checks
+# accept all of them, but what cuBLASLt reads differs by version (some block-wise paths want the
+# K-blocks padded to a multiple of 4), and a mismatch gives wrong numbers, not an error: the probe
+# below picks by value, once per device.
+#   activation side (1x128 groups, [M, K/128], M-major): "m_major" as is, "m_padded" with the
+#     row stride padded to a multiple of 4
+#   weight side (128x128 blocks, [K/128, N/128]): "transposed" (the stored [N/128, K/128] scale,
+#     transposed: no copy), "k_padded" (K-blocks padded to a multiple of 4), "contiguous"
+BLOCK_SCALE_FORMS = (("m_major", "transposed"), ("m_major", "k_padded"),
+                     ("m_padded", "k_padded"), ("m_major", "contiguous"))
+# probe shape: (K/128) % 4 != 0 and N > 128, as in real layers (K = 3840, 8960, 13824 ...), and
+# M % 4 != 0
+_PROBE_M, _PROBE_N, _PROBE_K = 77, 384, 640
+
+
+def _ceil4(v: int) -> int:
+    return -(-v // 4) * 4
+
+
+def block_scale_b(scale: torch.Tensor, form: str) -> torch.Tensor:
+    """A weight's stored [N/128, K/128] float32 block scale as the matmul's [K/128, N/128] operand."""
+    if form == "transposed":
+        return scale.t()
+    if form == "contiguous":
+        return scale.t().contiguous()
+    nb, kb = scale.shape
+    padded = torch.ones((nb, _ceil4(kb)), dtype=torch.float32, device=scale.device)
+    padded[:, :kb] = scale
+    return padded[:, :kb].t()
+
+
+def _probe_block_forms(api: str, device) -> tuple | None:
+    """The first form whose product equals the dequantized product at the probe shape."""
+    g = torch.Generator().manual_seed(0)
+    m, n, k = _PROBE_M, _PROBE_N, _PROBE_K
+    kb = k // 128
+    a = (torch.rand(m, k, generator=g) * 4 - 2).to(_ACT_DTYPE)
+    b = (torch.rand(n, k, generator=g) * 4 - 2).to(_ACT_DTYPE)
+    # powers of two from 1/16 to 16, different in every block: a scale read from the wrong place
+    # changes the product by far more than bf16 rounding
+    sa = torch.exp2(torch.randint(-4, 5, (m, kb), generator=g).float())
+    sb = torch.exp2(torch.randint(-4, 5, (n // 128, kb), generator=g).float())
+    ref = (a.float() * sa.repeat_interleave(128, 1)) @ (
+        b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)).t()
+    a, b, sa, sb = (t.to(device) for t in (a, b, sa, sb))
+    tried = []
+    for a_form, b_form in BLOCK_SCALE_FORMS:
+        try:
+            sa_op = _pad_rows(sa, 4) if a_form == "m_padded" else sa.t().contiguous().t()
+            out = SCALED_MM_APIS[api](a, b.t(), sa_op, block_scale_b(sb, b_form), None,
+                                      torch.bfloat16)
+            err = ((out.float().cpu() - ref).norm() / ref.norm()).item()
+            tried.append(f"{a_form}/{b_form}: relative error {err:.3g}")
+            if err < 1e-2:  # bf16 output: ~3e-3
+                return a_form, b_form
+        except Exception as exc:  # noqa: BLE001 - a form the kernel refuses is an answer
+            tried.append(f"{a_form}/{b_form}: {type(exc).__name__}: {_first_line(exc)}")
+    log_once(("no_blockwise", _device_key(device)), logging.INFO,
+             "block-wise scaled matmul unavailable or wrong on %s (%s); 128x128 block weights run "
+             "weight-only there", torch.device(device), "; ".join(tried) or "nothing tried")
+    return None
+
+
+def _pad_rows(scale_mk: torch.Tensor, multiple: int) -> torch.Tensor:
+    """[M, G] group scales as an M-major operand whose row stride is padded to ``multiple``."""
+    m, gcount = scale_mk.shape
+    buf = torch.ones((gcount, -(-m // multiple) * multiple), dtype=torch.float32,
+                     device=scale_mk.device)
+    buf[:, :m] = scale_mk.t()
+    return buf[:, :m].t()
+
+
+def blockwise_form(device) -> tuple | None:
+    """(activation form, weight form) of block scales that this torch's scaled matmul computes
+    right on ``device`` (cuBLAS 12.9+ on Hopper), or None. Probed once per device by value."""
     key = _device_key(device)
     if key not in _blockwise_for:
-        ok = False
         api = scaled_mm_api(device)
+        form = None
         if api is not None:
-            try:
-                with torch.no_grad():
-                    a = torch.ones(128, 256, device=device).to(_ACT_DTYPE)
-                    b = torch.ones(128, 256, device=device).to(_ACT_DTYPE)
-                    sa = torch.ones(2, 128, device=device).t()           # [M, K/128], M-major
-                    sb = torch.ones(1, 2, device=device)                 # [N/128, K/128]
-                    out = SCALED_MM_APIS[api](a, b.t(), sa, sb.t(), None, torch.bfloat16)
-                    ok = bool(torch.allclose(out.float(), torch.full_like(out.float(), 256.0)))
-            except Exception as exc:  # noqa: BLE001
-                log_once(("no_blockwise", key), logging.INFO,
-                         "block-wise scaled matmul unavailable on %s (%s: %s); 128x128 block "
-                         "weights run weight-only there", torch.device(device), type(exc).__name__,
-                         _first_line(exc))
-        _blockwise_for[key] = ok
+            with torch.no_grad():
+                form = _probe_block_forms(api, device)
+        _blockwise_for[key] = form
     return _blockwise_for[key]
+
+
+def blockwise_supported(device) -> bool:
+    """Does this torch's scaled matmul compute 1x128 x 128x128 block scales right on ``device``?"""
+    return blockwise_form(device) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# failures, remembered per (device, scaling, dtypes)
+# ---------------------------------------------------------------------------------------------
+
+# (device key, scaling kind, a dtype, b dtype, out dtype) -> what that combination needs:
+# "bf16_out" (the kernel writes bfloat16 only: cast after), "bias_apart" (no bias epilogue)
+_needs: dict = {}
+# fp8 products that failed for a reason other than memory, per (device key, layout kind,
+# activation scaling, input dtype, weight dtype, output dtype): later calls go weight-only at once
+_fp8_failed: set = set()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
+
+
+def _scaling_kind(scale_a: torch.Tensor, scale_b: torch.Tensor) -> str:
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return "tensor"
+    if scale_b.shape[0] == 1 or scale_b.numel() == 1:
+        return "row"
+    return "block"
+
+
+def _remember(key, need: str) -> None:
+    _needs.setdefault(key, set()).add(need)
+    what = {"bf16_out": "writes bfloat16 only (the output is cast after)",
+            "bias_apart": "has no bias epilogue (the bias is added after)"}[need]
+    log_once(("scaled_mm_needs", key, need), logging.INFO,
+             "scaled matmul on %s:%s, %s scaling, %s x %s -> %s %s", key[0][0], key[0][1], key[1],
+             key[2], key[3], key[4], what)
 
 
 def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
     """``(a * scale_a) @ (b * scale_b) + bias`` in ``out_dtype`` through the device's API.
-    The bias goes into the matmul itself where it can (bf16/fp16 output of the same dtype)."""
+    The bias goes into the matmul itself where it can (bf16/fp16 output of the same dtype).
+    A kernel that refuses the output dtype or the bias is retried without it, and that need is
+    remembered for this (device, scaling, dtypes) only; an out-of-memory error is raised as is
+    and remembered nowhere."""
     api = scaled_mm_api(a.device)
     if api is None:
         raise RuntimeError(f"no scaled matmul has a kernel for {a.device} in torch {torch.__version__}")
     fn = SCALED_MM_APIS[api]
     fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) \
         and bias.dtype == out_dtype
-    key = _device_key(a.device)
-    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
-    if rowwise and out_dtype != torch.bfloat16 and key in _rowwise_bf16_only:
+    key = (_device_key(a.device), _scaling_kind(scale_a, scale_b), a.dtype, b.dtype, out_dtype)
+    needs = _needs.get(key, ())
+    if "bf16_out" in needs:
         return _bf16_then_cast(fn, a, b, scale_a, scale_b, bias, out_dtype)
-    if fused_bias and (key, rowwise) in _bias_apart:
+    if fused_bias and "bias_apart" in needs:
         fused_bias = False
     try:
         out = fn(a, b, scale_a, scale_b, bias if fused_bias else None, out_dtype)
-    except RuntimeError:
-        if rowwise and out_dtype != torch.bfloat16:
+    except RuntimeError as exc:
+        if _is_oom(exc):
+            raise
+        if key[1] != "tensor" and out_dtype != torch.bfloat16:
             # older row-wise kernels (CUTLASS, before cuBLAS 12.9) write bfloat16 only
-            _rowwise_bf16_only.add(key)
-            return _bf16_then_cast(fn, a, b, scale_a, scale_b, bias, out_dtype)
+            out = _bf16_then_cast(fn, a, b, scale_a, scale_b, bias, out_dtype)
+            _remember(key, "bf16_out")
+            return out
         if not fused_bias:
             raise
         # a kernel without a bias epilogue for this scaling: add the bias after the product
-        _bias_apart.add((key, rowwise))
         out = fn(a, b, scale_a, scale_b, None, out_dtype)
+        _remember(key, "bias_apart")
         fused_bias = False
     if bias is not None and not fused_bias:
         out = out + bias.to(out.dtype)
@@ -278,14 +382,33 @@ def _row_weight_scale(w: QuantizedTensor) -> torch.Tensor:
                              lambda: w.scale.reshape(1, 1).expand(1, n).contiguous())
 
 
+def _failure_key(x: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype):
+    layout = w.layout
+    kind = (layout.rows, layout.cols) if isinstance(layout, Block) else type(layout).__name__
+    return (_device_key(x.device), kind, _scaling_mode(w, cfg), x.dtype, w.qdata.dtype, out_dtype)
+
+
+def _block_weight_scale(w: QuantizedTensor, form: str) -> torch.Tensor:
+    """The weight's block scale in the form the device's matmul reads right, made once per
+    weight (padding included) and kept on it, never per call."""
+    if form == "transposed":
+        return w.scale.t()  # a view
+    return _cached_on_weight(w, "block_scale_" + form, lambda: block_scale_b(w.scale, form))
+
+
 def _fp8_mm(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype,
             bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """fp8 x fp8 product ``x2d @ W.T (+ bias)``, or None after a logged failure."""
+    """fp8 x fp8 product ``x2d @ W.T (+ bias)``, or None after a logged failure. A failure other
+    than out-of-memory is remembered for its (device, layout, scaling, dtypes): later calls of
+    that kind go weight-only without trying (see ``_fp8_failed``)."""
     try:
         layout = w.layout
         if _is_block128(layout):
+            a_form, b_form = blockwise_form(x2d.device)
             xq, sa = kernels.quantize_groups(x2d, _ACT_DTYPE)
-            sb = w.scale.t()  # [K/128, N/128]; its transpose is the contiguous [N/128, K/128]
+            if a_form == "m_padded":
+                sa = _pad_rows(sa, 4)
+            sb = _block_weight_scale(w, b_form)
         else:
             mode = _scaling_mode(w, cfg)
             if mode == "dynamic_row":
@@ -301,10 +424,17 @@ def _fp8_mm(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype
                     sb = w.scale.reshape(())
         return _scaled_mm(xq, w.qdata.t(), sa, sb, bias, out_dtype)
     except Exception as exc:  # a kernel that cannot run here must not break the model
-        log_once(("fp8_failed", x2d.device.type, type(exc).__name__, _first_line(exc)[:120]),
-                 logging.WARNING,
-                 "fp8 x fp8 linear failed on %s (%s: %s); using the weight-only path instead "
-                 "(logged once)", x2d.device, type(exc).__name__, _first_line(exc))
+        key = _failure_key(x2d, w, cfg, out_dtype)
+        if _is_oom(exc):  # this call only: the next one may well fit
+            log_once(("fp8_oom", key), logging.WARNING,
+                     "fp8 x fp8 linear ran out of memory on %s; this call runs weight-only "
+                     "(later calls try fp8 again; logged once)", x2d.device)
+            return None
+        _fp8_failed.add(key)
+        log_once(("fp8_failed", key), logging.WARNING,
+                 "fp8 x fp8 linear failed on %s for %s weights, %s scaling, %s x %s -> %s "
+                 "(%s: %s); these run weight-only from now on (logged once)", x2d.device, key[1],
+                 key[2], key[3], key[4], key[5], type(exc).__name__, _first_line(exc))
         return None
 
 
@@ -432,7 +562,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
                      "int8 linear failed on %s (%s: %s); using the weight-only path instead (logged once)",
                      x.device, type(exc).__name__, _first_line(exc))
             return _weight_only(x, w8, b, cdt)
-    if not _wants_fp8(x, weight, cfg):
+    if not _wants_fp8(x, weight, cfg) or (
+            _fp8_failed and _failure_key(x, weight, cfg, cdt) in _fp8_failed):
         return _weight_only(x, weight, bias, cdt)
 
     x2d = x if x.dim() == 2 else x.reshape(-1, in_f)

@@ -31,6 +31,13 @@ def _data(out_f=96, in_f=192, tokens=24, device="cpu"):
     return w, x
 
 
+@pytest.fixture(autouse=True)
+def _fresh_failure_memory(monkeypatch):
+    """linear.py remembers failed kinds of products for the process: each test starts clean."""
+    monkeypatch.setattr(lin, "_needs", {})
+    monkeypatch.setattr(lin, "_fp8_failed", set())
+
+
 @pytest.fixture
 def spy(monkeypatch):
     calls = []
@@ -248,8 +255,8 @@ def _failing_api(monkeypatch, refuse):
         return real(a, b, sa, sb, bias, out_dtype)
 
     monkeypatch.setitem(lin.SCALED_MM_APIS, api, picky)
-    monkeypatch.setattr(lin, "_bias_apart", set())
-    monkeypatch.setattr(lin, "_rowwise_bf16_only", set())
+    monkeypatch.setattr(lin, "_needs", {})
+    monkeypatch.setattr(lin, "_fp8_failed", set())
     return seen
 
 
