@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8_engram.quant import Block, ComputeConfig, PerTensor, QuantizedTensor, kernels
+from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, kernels
+from fp8_engram.quant.kernels import weight_only_gemm
 from fp8_engram.quant.quantize_model import sqnr_db
 
 lin = importlib.import_module("fp8_engram.quant.linear")
@@ -23,6 +24,8 @@ SHAPES = [  # (name, tokens, in, out)
     ("flux-mlp-down", 4608, 12288, 3072),
     ("flux-mlp-up", 1024, 3072, 12288),
     ("flux-mlp-up", 256, 3072, 12288),
+    ("flux-modulation", 1, 3072, 18432),
+    ("flux-modulation", 16, 3072, 18432),
     ("wan-ffn-up", 16384, 5120, 13824),
     ("wan-ffn-down", 16384, 13824, 5120),
 ]
@@ -144,6 +147,50 @@ def bench_shape(name, tokens, in_f, out_f, rounds, inner, notes):
     return row
 
 
+def bench_weight_only_table(rounds, inner, quick):
+    """The weight-only GEMM's fixed table against its candidates, and the crossover to
+    dequantize + cuBLAS (kernels.FUSED_WEIGHT_ONLY_MAX_M) measured on both sides. Per-row
+    weights (the fused kernel's common case), x bf16."""
+    in_f, out_f = (1024, 4096) if quick else (3072, 12288)
+    token_counts = [1, 16, 64, 256, 1024] if quick else [1, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = (torch.randn(out_f, in_f, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    qt = QuantizedTensor.from_float(w, PerRow())
+    rows, crossover = [], None
+    print(f"\nweight-only GEMM table, {in_f} -> {out_f}, per-row FP8 (ms; fused = the table's config)")
+    for m in token_counts:
+        x = torch.randn(m, in_f, device="cuda", generator=g).to(torch.bfloat16)
+        block = (1, in_f)
+        fns = {"bf16 F.linear": lambda: F.linear(x, w),
+               "fused table": lambda: kernels.weight_only_linear(x, qt.qdata, qt.scale, block, False,
+                                                                 None, "fused"),
+               "dequant+cuBLAS": lambda: kernels.weight_only_linear(x, qt.qdata, qt.scale, block,
+                                                                    False, None, "dequant")}
+        table = weight_only_gemm.config_for(m)
+        pool = [dict(c, small=True, BM=table["BM"]) if table.get("small") else c
+                for c in weight_only_gemm.CANDIDATES]
+        for i, cfg in enumerate(pool):
+            fns[f"candidate {i}"] = (lambda c: lambda: weight_only_gemm.weight_only_linear_triton(
+                x, qt.qdata, qt.scale, None, False, config=c))(cfg)
+        with torch.inference_mode():
+            times = time_cuda(fns, rounds, inner)
+        best = min((t, name) for name, t in times.items() if name.startswith("candidate"))
+        fused_wins = times["fused table"] <= times["dequant+cuBLAS"]
+        if fused_wins:
+            crossover = m
+        rows.append({"tokens": m, "ms": {k: round(v, 4) for k, v in times.items()},
+                     "table": {k: v for k, v in table.items()},
+                     "best_candidate_vs_table": round(best[0] / times["fused table"], 3),
+                     "fused_faster_than_dequant": fused_wins})
+        print(f"  M={m:5d} bf16 {times['bf16 F.linear']:.4f}  fused {times['fused table']:.4f}  "
+              f"dequant+cuBLAS {times['dequant+cuBLAS']:.4f}  best candidate/table "
+              f"{best[0] / times['fused table']:.3f} ({best[1]})")
+    print(f"  measured crossover: fused fastest up to M={crossover} "
+          f"(FUSED_WEIGHT_ONLY_MAX_M = {kernels.FUSED_WEIGHT_ONLY_MAX_M})")
+    return {"in": in_f, "out": out_f, "rows": rows, "measured_crossover_m": crossover,
+            "fused_weight_only_max_m": kernels.FUSED_WEIGHT_ONLY_MAX_M}
+
+
 class FluxDoubleBlock(nn.Module):
     """A Flux.1-sized double-stream block: per stream modulation, LayerNorm, qkv, RMSNorm on q/k,
     joint attention over text + image tokens, output projection, GELU MLP."""
@@ -249,6 +296,7 @@ def main_cuda(args) -> None:
         cases.append(bench_shape(*shape, rounds, inner, notes))
         torch.cuda.empty_cache()
     block = bench_block(rounds, 3, args.quick)
+    wo_table = bench_weight_only_table(max(3, rounds // 2), inner, args.quick)
     print("\nspeedups over bf16 (auto / static / weight-only / comfy_kitchen): " + "; ".join(
         f"{c['shape']}@{c['tokens']}: {c['speedup']['ours auto']}/{c['speedup']['ours static']}/"
         f"{c['speedup']['ours weight-only']}/{c['speedup'].get('comfy_kitchen', '-')}" for c in cases))
@@ -258,4 +306,5 @@ def main_cuda(args) -> None:
                       "capability": list(cap), "torch": torch.__version__,
                       "statistic": "median of per-call mean over interleaved rounds (CUDA events); "
                                    "speedup = bf16 / variant",
-                      "rounds": rounds, "notes": notes, "cases": cases, "flux_double_block": block}))
+                      "rounds": rounds, "notes": notes, "cases": cases, "flux_double_block": block,
+                      "weight_only_table": wo_table}))

@@ -232,3 +232,39 @@ def test_scales_follow_the_one_rule_not_a_division():
     assert torch.equal(s, numerics.scale_from_amax(amax, 448.0))
     nz = amax[:, 0] > 0
     assert bool((s[nz] != (amax / 448.0)[nz]).any()), "no scale tells the two rules apart"
+
+
+SMALL_CFG = dict(BM=16, BN=32, BK=32, small=True, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow(), Block(32, 64), Block(1, 64)], ids=str)
+@pytest.mark.parametrize("mnk", [(1, 40, 256), (5, 72, 200), (16, 64, 96)])
+def test_small_m_split_k_gemm_is_accurate(mnk, layout):
+    """The transposed split-K kernel for few tokens: K cut into several splits (uneven ones, a
+    partial last K step, splits that keep to whole scale blocks), summed by the second kernel."""
+    m, n, k = mnk
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[:, None]
+    qt = QuantizedTensor.from_float(w, layout)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    block = (layout.rows, layout.cols) if isinstance(layout, Block) else None
+    split, k_split = weight_only_gemm.split_for(m, n, k, 32, 32, block[1] if block else 1 << 20, 132)
+    if k > 96:
+        assert split > 1, "the case does not split K"
+    if block and block[1] < k:
+        assert k_split % block[1] == 0
+    y = weight_only_gemm.weight_only_linear_triton(x, qt.qdata, qt.scale, bias,
+                                                   isinstance(layout, PerTensor),
+                                                   config=SMALL_CFG, block=block)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    ref = F.linear(x.double(), qt.dequantize(torch.float64), bias.double())
+    assert sqnr(ref, y) >= 48.0
+
+
+def test_the_fixed_table_never_times_anything():
+    """One config per shape class, chosen by arithmetic: no autotuner object anywhere."""
+    assert weight_only_gemm.config_for(1).get("small") and weight_only_gemm.config_for(64).get("small")
+    assert not weight_only_gemm.config_for(65).get("small")
+    assert weight_only_gemm.config_for(4096, True)["BN"] == 128  # block scales: no 128x256
+    assert not hasattr(weight_only_gemm, "_autotuned_kernel")

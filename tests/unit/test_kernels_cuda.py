@@ -88,10 +88,11 @@ def test_cuda_weight_only_gemm_is_accurate(m, layout):
     for method in ("fused", "dequant", "auto"):
         y = kernels.weight_only_linear(x, qt.qdata, qt.scale, block, per_tensor, b, method)
         assert sqnr(ref, y) >= 45.0, method
-    y = weight_only_gemm.weight_only_linear_triton(
-        x, qt.qdata, qt.scale, b, per_tensor, autotune=False,
-        block=block if isinstance(layout, Block) else None)
-    assert sqnr(ref, y) >= 45.0
+    for cfg in [weight_only_gemm.config_for(m), *weight_only_gemm.CANDIDATES]:
+        y = weight_only_gemm.weight_only_linear_triton(
+            x, qt.qdata, qt.scale, b, per_tensor, config=cfg,
+            block=block if isinstance(layout, Block) else None)
+        assert sqnr(ref, y) >= 45.0, cfg
 
 
 @needs_fp8
@@ -142,3 +143,57 @@ def test_cuda_forced_weight_only_takes_the_kernels(monkeypatch):
     with torch.inference_mode():
         y = F.linear(x, qt)
     assert calls and sqnr(F.linear(x.double(), w.double().cuda()), y) >= 30
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow(), Block(128, 128)], ids=str)
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
+def test_cuda_small_m_split_k_gemm_is_accurate(m, layout):
+    """The transposed split-K kernel at a Flux modulation shape (3072 -> 9216)."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(9216, 3072, generator=g) * 0.02
+    qt = QuantizedTensor.from_float(w, layout).to("cuda")
+    x = torch.randn(m, 3072, generator=g).to(torch.bfloat16).cuda()
+    b = torch.randn(9216, generator=g).to(torch.bfloat16).cuda()
+    assert weight_only_gemm.config_for(m).get("small")
+    block = (128, 128) if isinstance(layout, Block) else (1, 3072)
+    y = kernels.weight_only_linear(x, qt.qdata, qt.scale, block, isinstance(layout, PerTensor), b,
+                                   "fused")
+    ref = F.linear(x.double(), qt.dequantize(torch.float64), b.double())
+    assert sqnr(ref, y) >= 45.0
+
+
+@needs_fp8
+@needs_triton
+def test_cuda_nan_activations_stay_nan():
+    x = _x(9, 3072)
+    x[4, 100] = float("nan")
+    for q, s in (act_quant.quantize_rows(x), act_quant.quantize_groups(x)):
+        assert bool(q[4, 100].float().isnan()) and int(q.float().isnan().sum()) == 1
+        q_ref, s_ref = (act_quant.quantize_rows_torch(x) if s.shape[1] == 1
+                        else act_quant.quantize_groups_torch(x))
+        assert torch.equal(s, s_ref)
+        keep = ~q.float().isnan()
+        assert torch.equal(q.view(torch.uint8)[keep], q_ref.view(torch.uint8)[keep])
+
+
+@needs_fp8
+def test_cuda_block_weights_at_real_layer_shapes_match_the_dequantized_product(caplog):
+    """K = 3840 (30 K-blocks, 30 % 4 = 2) and N = 384 (3 scale rows): where this torch has a
+    block-wise matmul, the probe's chosen scale form computes the right numbers at a real layer
+    shape; where none is right, the layer runs weight-only."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(384, 3840, generator=g) * torch.logspace(-2, 0, 384)[:, None]
+    x = torch.randn(77, 3840, generator=g).to(torch.bfloat16)
+    qt = QuantizedTensor.from_float(w, Block(128, 128), config=ComputeConfig(path="fp8")).to("cuda")
+    with caplog.at_level(logging.WARNING):
+        y = F.linear(x.cuda(), qt)
+    form = quant_linear.blockwise_form(torch.device("cuda"))
+    # the product of what was quantized: activation groups and weight blocks, in float64
+    xq, sa = act_quant.quantize_groups_torch(x.cuda())
+    xd = xq.double() * sa.double().repeat_interleave(128, 1)
+    ref = xd @ qt.dequantize(torch.float64).t()
+    if form is not None:
+        assert sqnr(ref, y.double()) >= 40.0, form
+    assert sqnr(F.linear(x.double(), w.double()), y.cpu()) >= 27.0
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
