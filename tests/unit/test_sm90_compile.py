@@ -1,0 +1,76 @@
+"""Every Triton kernel compiled for sm_90 (H100/H200) on this CPU machine, at the configurations the
+code can choose: registers, spills, shared memory and the MMA instruction, written to
+test-artifacts/sm90_kernels.json (and a markdown table beside it). Fails when a kernel on a default
+path spills, or when a weight-only GEMM tile that Hopper's wgmma can serve uses mma.sync.
+
+The compile tool (``../shared/tools/triton_sm90.py`` beside the checkout, or ``TRITON_SM90_TOOL``)
+makes Triton target sm_90 for its whole process, so the compiles run in a fresh subprocess
+(``sm90_compile_cases.py``), never under TRITON_INTERPRET. About 25 compiles; see the JSON's
+``seconds`` for how long they took.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = Path(os.environ.get("TRITON_SM90_TOOL", ROOT.parent / "shared" / "tools" / "triton_sm90.py"))
+OUT = ROOT / "test-artifacts" / "sm90_kernels.json"
+COLUMNS = ["kernel", "config", "regs", "spill_store_bytes", "spill_load_bytes", "smem_bytes", "wgmma",
+           "mma.sync", "ld.global.v4", "cp.async"]
+
+
+def _markdown(rows) -> str:
+    head = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    return head + "".join("| " + " | ".join(str(r[c]) for c in COLUMNS) + " |\n" for r in rows)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    pytest.importorskip("triton", reason="needs the triton package (ships with torch's Linux wheels)")
+    if not TOOL.is_file():
+        pytest.skip(f"needs the sm_90 compile tool at {TOOL} (../shared/tools beside the checkout, "
+                    "or TRITON_SM90_TOOL)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90_compile_cases.py")),
+                           str(TOOL), str(OUT)], cwd=str(ROOT), env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    data = json.loads(OUT.read_text())
+    OUT.with_suffix(".md").write_text(_markdown(data["kernels"]))
+    return data["kernels"]
+
+
+def test_every_kernel_compiles_for_sm90(compiled):
+    names = {r["kernel"] for r in compiled}
+    assert names >= {"act_quant._rows_kernel", "act_quant._groups_kernel", "dequant._dequant_kernel",
+                     "weight_only_gemm._wo_gemm_small_m_kernel", "weight_only_gemm._wo_gemm_kernel",
+                     "weight_only_gemm._split_k_sum_kernel", "gather_triton.engram_gather_rows"}
+    assert all(r["regs"] for r in compiled), "a compile reported no register count"
+
+
+def test_default_path_kernels_do_not_spill(compiled):
+    spilling = [f"{r['kernel']} [{r['config']}]: {r['spill_store_bytes']}/{r['spill_load_bytes']} B"
+                for r in compiled if r["default"] and (r["spill_store_bytes"] or r["spill_load_bytes"])]
+    assert not spilling, "spills at sm_90: " + "; ".join(spilling)
+
+
+def test_weight_only_tiles_use_wgmma(compiled):
+    wrong = [f"{r['kernel']} [{r['config']}]: mma.sync {r['mma.sync']}, wgmma {r['wgmma']}"
+             for r in compiled if r["wgmma_expected"] and (r["mma.sync"] or not r["wgmma"])]
+    assert not wrong, "mma.sync where wgmma is expected: " + "; ".join(wrong)
+
+
+def test_weight_and_row_loads_are_vectorized(compiled):
+    """The FP8 weight streams through cp.async in every GEMM tile; the gather moves 128-bit words."""
+    gemm = [r for r in compiled if r["kernel"].startswith("weight_only_gemm._wo_gemm")]
+    assert gemm and all(r["cp.async"] for r in gemm)
+    gather = [r for r in compiled if r["kernel"].startswith("gather_triton")]
+    assert gather and all(r["ld.global.v4"] for r in gather)
