@@ -23,6 +23,7 @@ group object itself (`group.allgather(...)`), so a group made without `init_proc
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import mmap
 import os
@@ -50,9 +51,12 @@ class ShardMemory:
     `peers[r]` is rank r's flat uint8 buffer (`peers[rank] is local` memory); when all shards sit in one
     virtual range, `unified` is a uint8 tensor of `num_ranks * stride` bytes with `peers[r]` at
     `r * stride`. `keepalive` holds whatever must live as long as the views. `release()` gives the
-    memory back (peers' mappings first, then this rank's own shard); `release(between=fn)` runs `fn`
-    after the peers' mappings are gone and before this rank's shard is freed (a host shutting its
-    workers down, so that no peer still maps the shard it frees).
+    memory back; `release(between=fn)` runs `fn` after this rank's mappings of its peers are gone and
+    before its own shard is freed (a host waiting for its workers to exit). For CUDA IPC shards
+    release is collective: every rank of the group calls it (see `cuda_ipc_allocator`); it then
+    sets `held_peers` (peers whose shards this rank still maps through views kept past release) and
+    `held_by` (peers that still map this rank's shard), and calls `on_peer_unmapped(rank)` when a
+    held peer's shard is finally unmapped here (its owner may then exit).
     """
 
     local: torch.Tensor
@@ -60,23 +64,20 @@ class ShardMemory:
     unified: torch.Tensor | None = None
     stride: int = 0
     keepalive: object = None
-    _release: Callable[[], None] | None = field(default=None, repr=False)
-    _release_peers: Callable[[], None] | None = field(default=None, repr=False)
+    _release: Callable[[Callable[[], None] | None], None] | None = field(default=None, repr=False)
+    held_peers: list[int] = field(default_factory=list)
+    held_by: list[int] = field(default_factory=list)
+    on_peer_unmapped: Callable[[int], None] | None = field(default=None, repr=False)
 
     def release(self, between: Callable[[], None] | None = None) -> None:
         release, self._release = self._release, None
-        release_peers, self._release_peers = self._release_peers, None
         self.local = self.unified = None  # type: ignore[assignment]
         self.peers = []
         self.keepalive = None
-        try:
-            if release_peers is not None:
-                release_peers()
-            if between is not None:
-                between()
-        finally:
-            if release is not None:
-                release()
+        if release is not None:
+            release(between)
+        elif between is not None:
+            between()
 
 
 ShardAllocator = Callable[[dist.ProcessGroup, int, torch.device], ShardMemory]
@@ -96,11 +97,12 @@ def collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.d
     return torch.device("cpu")
 
 
-def all_gather_int64(group: dist.ProcessGroup, values: list[int], device: torch.device) -> list[list[int]]:
+def all_gather_int64(group: dist.ProcessGroup, values: list[int], device: torch.device,
+                     timeout: timedelta = _COLLECTIVE_TIMEOUT) -> list[list[int]]:
     """Gather one equally long int64 vector per rank."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     out = [torch.empty_like(mine) for _ in range(group.size())]
-    group.allgather([out], [mine]).wait(_COLLECTIVE_TIMEOUT)
+    group.allgather([out], [mine]).wait(timeout)
     return [t.tolist() for t in out]
 
 
@@ -227,43 +229,78 @@ def cuda_ipc_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.d
     Each rank allocates its shard on its own GPU and exports an IPC handle; the handles travel through
     one all-gather of the group (any backend), and each rank opens every peer's handle onto its own
     device. No state outside the group, and no dependence on torch's allocator backend (ComfyUI's
-    cudaMallocAsync cannot share memory between processes). Views are non-owning: `release` synchronizes
-    the device, then closes the opened peers and frees the rank's own shard.
+    cudaMallocAsync cannot share memory between processes).
+
+    Release is collective and ordered, because CUDA leaves freeing memory that another process still
+    maps undefined: every rank unmaps its peers' shards, the ranks all-gather which shards each still
+    maps (a view kept past close keeps its mapping), then each owner frees its shard unless a peer
+    still maps it (then it is left to the process exit, logged). Views own their mappings
+    (cuda_ipc.Mapping), so a view kept after close reads valid memory, never freed memory.
     """
+    device = _cuda_device(device, "the CUDA IPC allocator")
+    return _ipc_shards(group, num_bytes, device, device)
+
+
+TEARDOWN_TIMEOUT = timedelta(seconds=10)
+
+
+def _ipc_shards(group: dist.ProcessGroup, num_bytes: int, device: torch.device,
+                view_device: torch.device) -> ShardMemory:
+    """`cuda_ipc_allocator` with the views placed on `view_device` (the device itself; tests with a
+    stand-in driver whose "device memory" is host memory put them on the CPU)."""
     from . import cuda_ipc
 
-    device = _cuda_device(device, "the CUDA IPC allocator")
     rank, num_ranks = group.rank(), group.size()
-    address, local = cuda_ipc.allocate(num_bytes, device)
-    opened: list[int] = []
+    own = cuda_ipc.Mapping.allocate(num_bytes, device, view_device)
+    opened: dict[int, cuda_ipc.Mapping] = {}
+    coll = collective_device(group, device)
+    box: list[ShardMemory] = []
+    held: set[int] = set()
 
-    def synchronize() -> None:
-        try:
-            torch.cuda.synchronize(device)  # nothing queued still reads or writes the shards
-        except Exception as e:  # noqa: BLE001 - a broken device must not stop the rest of the release
-            logger.warning("engram: synchronizing %s before releasing shards failed: %s", device, e)
+    def unmapped_later(peer: int) -> None:
+        if peer in held and box and box[0].on_peer_unmapped is not None:
+            box[0].on_peer_unmapped(peer)
 
-    def release_peers() -> None:
-        synchronize()
-        for peer_address in opened:
+    def release(between: Callable[[], None] | None) -> None:
+        gc.collect()  # views held only by reference cycles (a traceback's frames) are not kept
+        for peer, mapping in opened.items():
+            mapping.on_release = (lambda p=peer: unmapped_later(p))
+            mapping.permit_release()
+        still = [int(r in opened and not opened[r].released) for r in range(num_ranks)]
+        held.update(r for r in range(num_ranks) if still[r])
+        agreed = num_ranks == 1
+        if not agreed:
             try:
-                cuda_ipc.close_handle(peer_address, device)
-            except Exception as e:  # noqa: BLE001 - e.g. the owner already died; the mapping goes with the process
-                logger.warning("engram: closing a peer's CUDA shard failed: %s", e)
-        opened.clear()
-
-    def release() -> None:
-        release_peers()
-        try:
-            cuda_ipc.free(address, device)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("engram: freeing this rank's CUDA shard failed: %s", e)
+                reports = all_gather_int64(group, still, coll, TEARDOWN_TIMEOUT)
+                agreed = True
+            except Exception as e:  # noqa: BLE001 - a peer died or left: decided below
+                reports = []
+                logger.warning("engram: rank %d could not agree with its peers on releasing CUDA shards (%s: %s)",
+                               rank, type(e).__name__, e)
+        if any(still):
+            logger.warning("engram: rank %d still holds views of the CUDA shards of ranks %s after close; "
+                           "those mappings stay until the views are gone", rank, [r for r in range(num_ranks) if still[r]])
+        holders = [r for r, report in enumerate(reports) if r != rank and report[rank]]
+        if box:
+            box[0].held_peers = sorted(held)
+            box[0].held_by = holders
+        if between is not None:
+            between()
+        if agreed and holders:
+            logger.warning("engram: rank %d leaves its CUDA shard (%d MiB) to the process exit: ranks %s still map it",
+                           rank, num_bytes >> 20, holders)
+            return
+        if not agreed and between is None:
+            return  # peers may still map it: the process exit frees it
+        # agreed that nobody maps it, or `between` saw every peer process end
+        own.permit_release()  # now, or once this rank's own views are gone
 
     try:
+        local = own.view()
         if num_ranks == 1:
-            return ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes, _release=release)
-        handle = cuda_ipc.export_handle(address, device)
-        coll = collective_device(group, device)
+            box.append(ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes, _release=release))
+            return box[0]
+        handle = cuda_ipc.export_handle(own.address, device)
         gathered = all_gather_object(group, handle, coll)
         peers: list[torch.Tensor] = []
         for peer, peer_handle in enumerate(gathered):
@@ -271,17 +308,18 @@ def cuda_ipc_allocator(group: dist.ProcessGroup, num_bytes: int, device: torch.d
                 peers.append(local)
                 continue
             try:
-                peer_address, view = cuda_ipc.open_handle(peer_handle, num_bytes, device)
+                opened[peer] = cuda_ipc.Mapping.open(peer_handle, num_bytes, device, view_device)
             except Exception as e:
                 raise RuntimeError(f"rank {rank} could not open the CUDA shard of rank {peer} through CUDA IPC: {e}") from e
-            opened.append(peer_address)
-            peers.append(view)
+            peers.append(opened[peer].view())
     except BaseException:
-        del local
-        peers = []
-        release()
+        local = peers = None  # type: ignore[assignment]
+        for mapping in opened.values():
+            mapping.permit_release()
+        own.permit_release()  # a failed start: the host stops every worker of the group
         raise
-    return ShardMemory(local=local, peers=peers, unified=None, stride=0, _release=release, _release_peers=release_peers)
+    box.append(ShardMemory(local=local, peers=peers, unified=None, stride=0, _release=release))
+    return box[0]
 
 
 def default_allocator(device: torch.device) -> ShardAllocator:

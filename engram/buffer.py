@@ -314,9 +314,9 @@ class LocalEngramBuffer:
         """Drop every view and release the shard memory (idempotent).
 
         `between` runs once the peers' shards are unmapped and before this rank's own shard is freed
-        (EngramGroup shuts its workers down there); it runs even when there was nothing to release.
-        Not collective: with several ranks, the caller makes sure no peer still reads this rank's shard
-        (a barrier, or EngramGroup's order) before the shard is freed.
+        (EngramGroup waits for its workers there); it runs even when there was nothing to release.
+        With CUDA IPC shards this is collective (every rank calls it: they agree that nobody maps a
+        shard before its owner frees it); CPU shards need no agreement.
         """
         memory, self._memory = getattr(self, "_memory", None), None
         self._tables = self._sfs = []

@@ -19,9 +19,10 @@ Supervision: every call first checks that each worker is alive; a dead worker ra
 (rank and exit code), and every command to workers waits with a deadline while watching the process,
 so nothing hangs. `alive` and `check()` are the cheap health checks (a poll of each worker process).
 Workers die with the host (PR_SET_PDEATHSIG, a parent-pid watchdog, EOF on their control socket).
-`close()` releases the host's views of the shards, shuts the workers down and waits, then hands the
-host's own shard back (GPU memory included); it also runs when the group is collected and at
-interpreter exit.
+`close()` tells the workers to stop, releases the host's views of the shards (on CUDA every rank
+unmaps its peers and the ranks agree before any owner frees its shard), waits for the workers, then
+hands the host's own shard back (GPU memory included); it also runs when the group is collected and
+at interpreter exit.
 """
 
 from __future__ import annotations
@@ -345,19 +346,40 @@ class _Worker:
 
 
 def _release_group(workers: list[_Worker], holder: list, templates: list | None = None) -> None:
-    """Release in the order CUDA IPC wants: the host's mappings of peers, then the workers, then the host's shard."""
+    """Release in the order CUDA IPC wants: the workers are told to stop (each unmaps its peers, joins
+    the group's release exchange, frees its own shard, exits), the host unmaps its peers and joins the
+    same exchange, waits for the workers to exit, then frees its own shard."""
     buffer = holder.pop() if holder else None
     try:
+        memory = getattr(buffer, "_memory", None)
+        if memory is not None:
+            by_rank = {w.rank: w for w in workers}
+            # a view of worker r's shard kept past close: r stays alive until that view is gone
+            memory.on_peer_unmapped = lambda rank: _let_worker_go(by_rank.get(rank))
+        _ask_workers_to_stop(workers)
         if buffer is not None:
-            buffer.destroy(between=lambda: _shutdown_workers(workers))
+            held = lambda: set(getattr(memory, "held_peers", ()))  # noqa: E731 - known after the exchange
+            buffer.destroy(between=lambda: _wait_for_workers([w for w in workers if w.rank not in held()]))
         else:
-            _shutdown_workers(workers)
+            _wait_for_workers(workers)
     finally:
         while templates:
             templates.pop().release()
 
 
-def _shutdown_workers(workers: list[_Worker]) -> None:
+def _let_worker_go(worker: _Worker | None) -> None:
+    """Tell a worker kept alive for a view of its shard that the view is gone (it then exits).
+    Runs where that view's storage is freed: it only writes to the worker's socket."""
+    if worker is None:
+        return
+    try:
+        worker.conn.send(("released",))
+        worker.conn.close()
+    except (OSError, ValueError):  # the worker or its socket is already gone
+        pass
+
+
+def _ask_workers_to_stop(workers: list[_Worker]) -> None:
     for worker in workers:
         if worker.process.poll() is None:
             if process_state(worker.process.pid) in _STOPPED_STATES:
@@ -367,6 +389,9 @@ def _shutdown_workers(workers: list[_Worker]) -> None:
                 worker.conn.send(("shutdown",))
             except OSError:
                 pass
+
+
+def _wait_for_workers(workers: list[_Worker]) -> None:
     deadline = time.monotonic() + _SHUTDOWN_WAIT_S
     for worker in workers:
         try:

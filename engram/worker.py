@@ -182,7 +182,15 @@ def run_worker(rank: int, conn: Connection, config: dict) -> int:
         return 2
     conn.send(("ready", os.getpid()))
     code = serve(conn, buffer, rank)
-    buffer.destroy()
+    memory = buffer._memory
+    buffer.destroy()  # CUDA: collective with the host and the other workers
+    if code == 0 and memory is not None and memory.held_by:
+        # the host still maps this rank's shard through a view kept past close: this process (which
+        # owns the memory) stays until the host says the view is gone, or the host ends
+        try:
+            conn.recv()
+        except (EOFError, OSError):
+            pass
     return code
 
 

@@ -9,6 +9,8 @@ real driver is used: allocate, export, open in another process, read back what w
 """
 
 import ctypes
+import gc
+import json
 import os
 import shutil
 import subprocess
@@ -38,6 +40,7 @@ static struct rec recs[64];
 static int depth = 0, counter = 0, calls_without_context = 0;
 
 int fake_depth(void) { return depth; }
+int fake_live(void) { int n = 0; for (int i = 0; i < 64; i++) n += recs[i].p != 0; return n; }
 int fake_calls_without_context(void) { return calls_without_context; }
 static void need_context(void) { if (depth <= 0) calls_without_context++; }
 static struct rec *find(CUdeviceptr p) { for (int i = 0; i < 64; i++) if (recs[i].p == p) return &recs[i]; return 0; }
@@ -52,7 +55,14 @@ static void *map(const char *name, size_t n, int create) {
 }
 
 int cuInit(unsigned flags) { return flags == 0 ? 0 : 1; }
-int cuGetErrorString(int error, const char **text) { *text = error == 1 ? "CUDA_ERROR_INVALID_VALUE (fake)" : "other (fake)"; return 0; }
+int cuGetErrorString(int error, const char **text) {
+    *text = error == 1 ? "CUDA_ERROR_INVALID_VALUE (fake)" : error == 3 ? "freed while another process maps it (fake)" : "other (fake)";
+    return 0;
+}
+int cuCtxSynchronize(void) { need_context(); return 0; }
+/* Each allocation carries a trailer after its n bytes: how many processes have it open. Freeing it
+   while that is not 0 is what CUDA leaves undefined; here it fails with error 3. */
+static long *opens(struct rec *r) { return (long *)((char *)r->p + r->n); }
 int cuDeviceGet(int *device, int ordinal) { *device = 100 + ordinal; return 0; }
 int cuDevicePrimaryCtxRetain(void **ctx, int device) { if (device < 100) return 1; *ctx = (void *)(long)(0x1000 + device); return 0; }
 int cuCtxPushCurrent_v2(void *ctx) { if (!ctx) return 1; depth++; return 0; }
@@ -63,9 +73,10 @@ int cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     struct rec *r = slot();
     if (!r) return 2;
     snprintf(r->name, sizeof r->name, "/fakecuda-%d-%d", (int)getpid(), counter++);
-    void *m = map(r->name, n, 1);
+    void *m = map(r->name, n + sizeof(long), 1);
     if (!m) return 2;
     r->p = (CUdeviceptr)m; r->n = n; r->own = 1;
+    *opens(r) = 0;
     *p = r->p;
     return 0;
 }
@@ -73,7 +84,8 @@ int cuMemFree_v2(CUdeviceptr p) {
     need_context();
     struct rec *r = find(p);
     if (!r || !r->own) return 1;
-    munmap((void *)p, r->n); shm_unlink(r->name); memset(r, 0, sizeof *r);
+    if (__sync_fetch_and_add(opens(r), 0) != 0) return 3;
+    munmap((void *)p, r->n + sizeof(long)); shm_unlink(r->name); memset(r, 0, sizeof *r);
     return 0;
 }
 int cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
@@ -93,9 +105,10 @@ int cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) {
     if (!r) return 2;
     memcpy(&r->n, h.reserved + 1, sizeof r->n);
     memcpy(r->name, h.reserved + 16, sizeof r->name);
-    void *m = map(r->name, r->n, 0);
+    void *m = map(r->name, r->n + sizeof(long), 0);
     if (!m) { memset(r, 0, sizeof *r); return 1; }
     r->p = (CUdeviceptr)m; r->own = 0;
+    __sync_fetch_and_add(opens(r), 1);
     *p = r->p;
     return 0;
 }
@@ -103,7 +116,8 @@ int cuIpcCloseMemHandle(CUdeviceptr p) {
     need_context();
     struct rec *r = find(p);
     if (!r || r->own) return 1;
-    munmap((void *)p, r->n); memset(r, 0, sizeof *r);
+    __sync_fetch_and_sub(opens(r), 1);
+    munmap((void *)p, r->n + sizeof(long)); memset(r, 0, sizeof *r);
     return 0;
 }
 """
@@ -194,3 +208,104 @@ def test_real_driver_exchange_between_processes():
     finally:
         del view
         cuda_ipc.free(address, device)
+
+
+def test_a_view_kept_after_release_keeps_its_memory(fake_driver):
+    """Views own their mapping: the memory is freed when release is allowed AND the last view
+    (here a slice kept past the release, as one taken from shard() could be) is gone."""
+    lib = fake_driver
+    device = torch.device("cuda", 1)
+    mapping = cuda_ipc.Mapping.allocate(4096, device, view_device="cpu")
+    view = mapping.view()
+    assert view.numel() == 4096 and int(view.sum()) == 0, "not zeroed"
+    view[:8] = 7
+    kept = view[2:6]
+    del view
+    mapping.permit_release()
+    assert not mapping.released and lib.fake_live() == 1, "freed while a view was still alive"
+    assert kept.tolist() == [7, 7, 7, 7]
+    del kept
+    gc.collect()
+    assert mapping.released and lib.fake_live() == 0
+    assert lib.fake_depth() == 0 and lib.fake_calls_without_context() == 0
+    # without an escaped view the release is immediate
+    other = cuda_ipc.Mapping.allocate(4096, device, view_device="cpu")
+    v = other.view()
+    del v
+    other.permit_release()
+    assert other.released and lib.fake_live() == 0
+
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, logging, sys, time
+    from datetime import timedelta
+    sys.path.insert(0, PKG)
+    import torch
+    import torch.distributed as dist
+    from fp8_engram.engram import allocators, cuda_ipc
+    from fp8_engram.engram.worker import gloo_group
+    cuda_ipc._LIBRARY = LIBRARY
+    rank, world = RANK, WORLD
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    logging.getLogger("fp8_engram").addHandler(Keep())
+    store = dist.FileStore(STORE, world)
+    group = gloo_group(store, rank, world, timedelta(seconds=60))
+    memory = allocators._ipc_shards(group, 4096, torch.device("cuda", rank), torch.device("cpu"))
+    memory.local[:4] = rank + 1
+    allocators.barrier(group, torch.device("cpu"))
+    seen = [int(p[0]) for p in memory.peers]
+    kept = memory.peers[2][:16] if rank == 1 else None  # a view of rank 2's shard kept past close
+    allocators.barrier(group, torch.device("cpu"))
+    if rank == 0:
+        time.sleep(1.0)  # the slowest rank to unmap: owners must wait for it
+    unmapped = []
+    memory.on_peer_unmapped = unmapped.append
+    memory.release()
+    lib = cuda_ipc._load()
+    live_after_release = lib.fake_live()
+    kept_value = int(kept[0]) if kept is not None else None
+    unmapped_before = list(unmapped)
+    del kept
+    import gc; gc.collect()
+    print(json.dumps({"rank": rank, "seen": seen, "live_after_release": live_after_release,
+                      "live_at_end": lib.fake_live(), "kept_value": kept_value, "log": records,
+                      "held_peers": memory.held_peers, "held_by": memory.held_by,
+                      "unmapped_before": unmapped_before, "unmapped_after": unmapped}))
+    """
+)
+
+
+def test_ranks_unmap_their_peers_before_owners_free(fake_driver, tmp_path):
+    """Three CPU ranks (gloo) over the stand-in driver, which fails a free while another process
+    still maps the memory: every rank unmaps, the ranks agree, then owners free; rank 1 keeps a
+    view of rank 2's shard past close, so rank 2 leaves its shard to the process exit (logged)
+    instead of freeing memory that is still mapped, and rank 1's view still reads it."""
+    world = 3
+    procs = []
+    for rank in range(world):
+        code = (f"PKG, LIBRARY, STORE, RANK, WORLD = {PKG!r}, {cuda_ipc._LIBRARY!r}, "
+                f"{str(tmp_path / 'store')!r}, {rank}, {world}\n" + RANK_SCRIPT)
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        row = json.loads(out.strip().splitlines()[-1])
+        results[row["rank"]] = row
+    for rank, row in results.items():
+        assert row["seen"] == [1, 2, 3], row
+        assert not [m for m in row["log"] if "failed" in m], (rank, row["log"])
+    assert results[0]["live_after_release"] == 0 and results[0]["live_at_end"] == 0
+    assert results[1]["kept_value"] == 3 and results[1]["live_after_release"] == 1  # rank 2's, still mapped
+    assert results[1]["live_at_end"] == 0
+    assert results[2]["live_after_release"] == 1  # its own shard, left to the process exit
+    assert any("ranks [1] still map it" in m for m in results[2]["log"])
+    # what a host uses to keep a worker alive while it holds a view of the worker's shard
+    assert results[1]["held_peers"] == [2] and results[2]["held_by"] == [1]
+    assert results[1]["unmapped_before"] == [] and results[1]["unmapped_after"] == [2]
+    assert results[0]["held_by"] == [] and results[0]["held_peers"] == []

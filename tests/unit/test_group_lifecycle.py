@@ -258,3 +258,29 @@ def test_two_cuda_groups_alive_at_once():
         first.close()
         if second is not None:
             second.close()
+
+
+@needs_cuda
+def test_cuda_shard_view_kept_after_close_stays_valid_then_frees():
+    """A view taken from shard() and kept past close() owns its mapping: it still reads the rows
+    (not freed memory), and the GPU memory comes back once it is dropped."""
+    import time
+
+    device = torch.device("cuda", 0)
+    rows_per_rank = 1 << 18  # 128 MiB of BF16 rows per rank
+    shard_bytes = rows_per_rank * 256 * 2
+    slack = 128 << 20
+    free_before = _free_on_device(device)
+    group = EngramGroup([2 * rows_per_rank], 256, torch.bfloat16, num_ranks=2, device="cuda")
+    rows = torch.tensor([0, 5, rows_per_rank + 3])
+    values = torch.randn(3, 256).to(torch.bfloat16)
+    group.write_rows(0, rows, values)
+    kept = group.buffer.shard(1, 0)[0][3:4]  # rank 1's row 3 = global row rows_per_rank + 3
+    group.close()
+    assert torch.equal(kept.cpu(), values[2:3]), "a view kept past close() lost its rows"
+    assert free_before - _free_on_device(device) >= shard_bytes, "rank 1's shard was freed under a live view"
+    del kept
+    deadline = time.monotonic() + 5.0
+    while _free_on_device(device) < free_before - slack and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert free_before - _free_on_device(device) <= slack, "the shard was not freed after its last view"
