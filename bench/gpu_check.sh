@@ -22,14 +22,14 @@
 #   GPU_CHECK_SKIP_BENCH=1 bash bench/gpu_check.sh      # no benches (how the plumbing is tried without a GPU)
 #   GPU_CHECK_E2E_ARGS=--tiny GPU_CHECK_TESTS_K=... bash bench/gpu_check.sh   # e2e on the CPU, fewer tests
 #   PYTHON=/path/to/python bash bench/gpu_check.sh
-# Step limits (seconds): GPU_CHECK_LIMIT_TESTS (150), GPU_CHECK_LIMIT_QUANT_LINEAR (90),
+# Step limits (seconds): GPU_CHECK_LIMIT_TESTS (180), GPU_CHECK_LIMIT_QUANT_LINEAR (90),
 # GPU_CHECK_LIMIT_ENGRAM_FETCH (90), GPU_CHECK_LIMIT_E2E (180); each is cut to what the budget has left.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$ROOT/gpu-check-out}"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-TESTS_K="${GPU_CHECK_TESTS_K:-cuda or fp8_path or tensor_ops or buffer or group}"
+TESTS_K="${GPU_CHECK_TESTS_K:-cuda or fp8_path or tensor_ops or buffer or group or numerics}"
 WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.whl}"
 BUDGET="${GPU_CHECK_BUDGET_S:-470}"
 COMFY_TREE="${COMFYUI_PATH:-$ROOT/.host/comfyui}"
@@ -188,7 +188,7 @@ fi
 grep -q "available True" "$WORK/env.txt" || log "WARNING: no CUDA GPU visible: the CUDA tests will skip and the benches will fail"
 
 # ----- tests -----
-step tests "${GPU_CHECK_LIMIT_TESTS:-150}" pytest.log "$PY" -m pytest tests/unit -q -p no:cacheprovider -k "$TESTS_K" -rs \
+step tests "${GPU_CHECK_LIMIT_TESTS:-180}" pytest.log "$PY" -m pytest tests/unit -q -p no:cacheprovider -k "$TESTS_K" -rs \
     --junitxml="$WORK/pytest.xml"
 tests_rc=$?
 # The failures' own lines and the summary (the whole log is in logs.tar.gz).

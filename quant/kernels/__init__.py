@@ -24,8 +24,9 @@ __all__ = ["HAS_TRITON", "quantize_rows", "quantize_tensor", "quantize_groups", 
 
 # Weight-only on GPUs: at or below this many tokens the fused GEMM (weight read once as FP8)
 # should win; above it a one-pass dequantize into bf16 then cuBLAS does, because the GEMM is
-# compute-bound there and cuBLAS is the faster matmul. The number is the crossover to measure
-# with `bench/quant_linear.py --device cuda` (variants "wo fused" / "wo dequant+cuBLAS").
+# compute-bound there and cuBLAS is the faster matmul. Not yet measured on a GPU: `bench/
+# quant_linear.py --device cuda` times both sides at 1..2048 tokens ("weight_only_table" in its
+# JSON: measured_crossover_m) and this constant is to be set from that.
 FUSED_WEIGHT_ONLY_MAX_M = 1024
 
 
