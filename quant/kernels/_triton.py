@@ -31,6 +31,14 @@ def jit(fn):
     return triton.jit(fn) if HAS_TRITON else fn
 
 
+def jit_unspecialized(*names):
+    """``jit`` that does not specialize the named integer arguments (token counts): Triton would
+    otherwise compile again for M == 1 and for M divisible by 16, on the first call of each."""
+    def wrap(fn):
+        return triton.jit(fn, do_not_specialize=list(names)) if HAS_TRITON else fn
+    return wrap
+
+
 @jit
 def round_bf16(x):
     """float32 -> the nearest bfloat16 value (ties to even), still as float32 (exact to cast)."""

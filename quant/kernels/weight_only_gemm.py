@@ -31,7 +31,8 @@ import torch
 
 import functools
 
-from ._triton import HAS_TRITON, INTERPRET, fp8_bits_to_f32, jit, round_bf16, tl, triton
+from ._triton import (HAS_TRITON, INTERPRET, fp8_bits_to_f32, jit, jit_unspecialized, round_bf16,
+                      tl, triton)
 from .dequant import native_fp8
 
 __all__ = ["weight_only_linear_triton", "supported", "config_for", "SMALL_M_MAX", "CANDIDATES"]
@@ -54,7 +55,7 @@ def supported(x2d: torch.Tensor, q: torch.Tensor, block=None) -> bool:
             and (block is None or block[1] % BLOCK_COLS_MULTIPLE == 0))
 
 
-@jit
+@jit_unspecialized("M")
 def _wo_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
                     sxm, sxk, swn, swk, sym, ssn, ssc, R, C,
                     HAS_BIAS: tl.constexpr, SCALES: tl.constexpr, EVEN_K: tl.constexpr,
@@ -120,7 +121,7 @@ def _wo_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-@jit
+@jit_unspecialized("M")
 def _wo_gemm_small_m_kernel(x_ptr, w_ptr, s_ptr, p_ptr, M, N, K, K_SPLIT,
                             sxm, sxk, swn, swk, ssn, ssc, R, C,
                             SCALES: tl.constexpr, EVEN_K: tl.constexpr, NATIVE: tl.constexpr,
@@ -175,7 +176,7 @@ def _wo_gemm_small_m_kernel(x_ptr, w_ptr, s_ptr, p_ptr, M, N, K, K_SPLIT,
     tl.store(p_ptrs, acc, mask=nmask[:, None] & mmask[None, :])
 
 
-@jit
+@jit_unspecialized("M")
 def _split_k_sum_kernel(p_ptr, b_ptr, y_ptr, M, N, sym, SPLIT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
     """y[m, n] = sum over splits (in order) of p[split, m, n] (+ bias[n]), cast to y's dtype."""

@@ -197,3 +197,16 @@ def test_cuda_block_weights_at_real_layer_shapes_match_the_dequantized_product(c
         assert sqnr(ref, y.double()) >= 40.0, form
     assert sqnr(F.linear(x.double(), w.double()), y.cpu()) >= 27.0
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
+
+
+@needs_triton
+def test_cuda_unaligned_weight_rows_take_dequantize_and_cublas():
+    """K % 16 != 0: rows of the FP8 weight are not 16-byte aligned, which costs the fused GEMM its
+    vector loads and cp.async (and spills at sm_90): those products go to dequantize + cuBLAS."""
+    g = torch.Generator().manual_seed(10)
+    for k, fused in ((200, False), (256, True)):
+        qt = QuantizedTensor.from_float(torch.randn(512, k, generator=g) * 0.02, PerRow()).to("cuda")
+        x = torch.randn(8, k, generator=g).to(torch.bfloat16).cuda()
+        assert weight_only_gemm.supported(x, qt.qdata) is fused, k
+        y = kernels.weight_only_linear(x, qt.qdata, qt.scale, (1, k), False, None)
+        assert sqnr(F.linear(x.double(), qt.dequantize(torch.float64)), y) >= 45.0
