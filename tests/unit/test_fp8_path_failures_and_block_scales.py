@@ -88,47 +88,57 @@ def test_a_failing_fp8_product_is_remembered_and_not_retried(api, monkeypatch, c
 
 
 def test_out_of_memory_is_never_remembered(api, monkeypatch, caplog):
-    calls = []
+    """An out-of-memory error of a row-wise fp16 product used to mark the device as "row-wise
+    writes bf16 only" for good; now that call runs weight-only and the next one tries fp16 again."""
+    seen = []
 
-    def short_of_memory(real, *args):
-        calls.append(1)
-        if len(calls) == 1:
+    def short_of_memory(real, a, b, sa, sb, bias, out_dtype):
+        seen.append(out_dtype)
+        if len(seen) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (emulated)")
-        return real(*args)
+        return real(a, b, sa, sb, bias, out_dtype)
 
     _install(monkeypatch, api, short_of_memory)
     w, x = _data()
     qt = QuantizedTensor.from_float(w, PerRow(), config=FP8)
     with caplog.at_level(logging.WARNING):
-        y1 = F.linear(x, qt)  # ran weight-only
-        y2 = F.linear(x, qt)  # fp8 again
-    assert len(calls) == 2 and not lin._fp8_failed and not lin._needs
-    assert sqnr(F.linear(x.double(), w.double()), y1) >= 30 and sqnr(F.linear(x.double(), w.double()), y2) >= 27
+        y1 = F.linear(x.half(), qt)  # ran weight-only
+        y2 = F.linear(x.half(), qt)  # fp8 again, in fp16
+    assert seen == [torch.float16, torch.float16]
+    assert not lin._fp8_failed and not lin._needs
+    ref = F.linear(x.double(), w.double())
+    assert sqnr(ref, y1) >= 30 and sqnr(ref, y2) >= 27
 
 
 def test_a_dtype_refusal_is_remembered_for_that_scaling_only(api, monkeypatch):
-    """A row-wise kernel that writes only bf16 must not make per-tensor calls cast too."""
+    """A row-wise kernel that writes only bf16 must not make block-wise (or per-tensor) calls cast
+    too: they used to share the row-wise key of the device."""
+    blockwise = _blockwise_emulator("strides")
+
     def bf16_only_rowwise(real, a, b, sa, sb, bias, out_dtype):
-        if (sa.numel() > 1 or sb.numel() > 1) and out_dtype != torch.bfloat16:
+        if sa.numel() > 1 and sa.shape[-1] == 1 and out_dtype != torch.bfloat16:
             raise RuntimeError("row-wise scaling writes bfloat16 only (emulated)")
-        return real(a, b, sa, sb, bias, out_dtype)
+        return blockwise(real, a, b, sa, sb, bias, out_dtype)
 
     seen = _install(monkeypatch, api, bf16_only_rowwise)
-    w, x = _data()
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(256, 640, generator=g) * 0.02
+    x = torch.randn(24, 640, generator=g).to(torch.float16)
     row = QuantizedTensor.from_float(w, PerRow(), config=FP8)
-    tensor = QuantizedTensor.from_float(w, PerRow(), config=ComputeConfig(
-        path="fp8", activation_scaling="dynamic_tensor"))
-    F.linear(x.half(), row)
-    F.linear(x.half(), row)
+    F.linear(x, row)
+    F.linear(x, row)
     assert seen == [torch.float16, torch.bfloat16, torch.bfloat16]
+    block = QuantizedTensor.from_float(w, Block(128, 128), config=FP8)
+    assert lin.blockwise_form(CPU) is not None
     seen.clear()
+    y = F.linear(x, block)
+    assert seen == [torch.float16], "a block-wise call inherited the row-wise kernel's limit"
+    assert y.dtype == torch.float16 and sqnr(F.linear(x.double(), w.double()), y) >= 27
     from fp8_engram.quant import PerTensor
-    pt = QuantizedTensor.from_float(w, PerTensor(), config=ComputeConfig(
-        path="fp8", activation_scaling="dynamic_tensor"))
-    F.linear(x.half(), pt)
-    assert seen == [torch.float16], "a per-tensor call inherited the row-wise kernel's limit"
-    F.linear(x.half(), tensor)  # row-wise weight: row-wise operands, the remembered cast
-    assert seen[-1] == torch.bfloat16
+    seen.clear()
+    F.linear(x, QuantizedTensor.from_float(w, PerTensor(), config=ComputeConfig(
+        path="fp8", activation_scaling="dynamic_tensor")))
+    assert seen == [torch.float16]
 
 
 # ----- item: block scales, checked by value at shapes with (K/128) % 4 != 0 and N > 128 -----
