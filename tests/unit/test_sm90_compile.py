@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOL = Path(os.environ.get("TRITON_SM90_TOOL", ROOT.parent / "shared" / "tools" / "triton_sm90.py"))
 OUT = ROOT / "test-artifacts" / "sm90_kernels.json"
 COLUMNS = ["kernel", "config", "regs", "spill_store_bytes", "spill_load_bytes", "smem_bytes", "wgmma",
-           "mma.sync", "ld.global.v4", "cp.async"]
+           "mma.sync", "ld.global.v4", "ld.global.scalar", "cp.async", "div/rem int"]
 
 
 def _markdown(rows) -> str:
@@ -74,3 +74,13 @@ def test_weight_and_row_loads_are_vectorized(compiled):
     assert gemm and all(r["cp.async"] for r in gemm)
     gather = [r for r in compiled if r["kernel"].startswith("gather_triton")]
     assert gather and all(r["ld.global.v4"] for r in gather)
+
+
+def test_dequantize_reads_one_scale_per_tile_row(compiled):
+    """Per-row and 128x128 / 1x64 block scales: a [BN] vector of scales per tile, not a gathered
+    scale per element (that compiled to 68 scalar loads and 16 integer divisions per thread)."""
+    rows = [r for r in compiled if r["kernel"] == "dequant._dequant_kernel" and r["default"]]
+    assert len(rows) == 4
+    heavy = [f"{r['config']}: {r['ld.global.scalar']} scalar loads, {r['div/rem int']} div/rem"
+             for r in rows if r["ld.global.scalar"] > 16 or r["div/rem int"] > 8]
+    assert not heavy, "; ".join(heavy)
