@@ -23,9 +23,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import custom_ops, kernels
 from .config import DEFAULT_CONFIG, ComputeConfig
-from .layouts import Block, PerRow, PerTensor, QuantizationError, workspace
+from .layouts import Block, PerRow, PerTensor, QuantizationError, tracing, workspace
 from .tensor import QuantizedTensor, log_once
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,21 @@ def _device_key(device: torch.device):
     return device.type, index
 
 
+def _traced(path: str, device: torch.device) -> bool:
+    """True while torch.compile traces; says so once per path and device type."""
+    if not tracing():
+        return False
+    log_once(("traced", path, device.type), logging.INFO,
+             "torch.compile is tracing FP8 linears (%s path on %s) into its graph", path, device.type)
+    return True
+
+
+def _real_tensors():
+    """The probes below run real products even when first asked while torch.compile traces (a
+    fake product succeeds everywhere, and its answer is cached for the process)."""
+    return torch.utils._python_dispatch._disable_current_modes()
+
+
 def scaled_mm_api(device) -> str | None:
     """Name of the first scaled-matmul API with a kernel for ``device`` in this torch
     (``torch._scaled_mm`` first: it takes every scaling the pack uses on torch 2.5 to 2.14;
@@ -130,7 +145,7 @@ def scaled_mm_api(device) -> str | None:
     key = _device_key(device)
     if key not in _api_for:
         found, errors = None, []
-        with torch.no_grad():
+        with torch.no_grad(), _real_tensors():
             for name in _present_apis():
                 try:
                     a = torch.ones(16, 32, device=device).to(_ACT_DTYPE)
@@ -160,7 +175,7 @@ def blockwise_supported(device) -> bool:
         api = scaled_mm_api(device)
         if api is not None:
             try:
-                with torch.no_grad():
+                with torch.no_grad(), _real_tensors():
                     a = torch.ones(128, 256, device=device).to(_ACT_DTYPE)
                     b = torch.ones(128, 256, device=device).to(_ACT_DTYPE)
                     sa = torch.ones(2, 128, device=device).t()           # [M, K/128], M-major
@@ -256,6 +271,8 @@ def _cached_on_weight(w: QuantizedTensor, name: str, build):
     tensors (what ComfyUI's loaders make under inference_mode; they have no version counter),
     because every in-place write of the pack's own (copy_, requantize_, LoRA patches) calls
     ``QuantizedTensor.scales_written()``."""
+    if tracing():
+        return build()  # a cached tensor would outlive the trace's fake mode
     scale = w.scale
     # asked, not tried: reading _version of an inference tensor raises (measured ~8 us a call)
     version = None if scale.is_inference() else scale._version
@@ -282,24 +299,25 @@ def _fp8_mm(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype
             bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """fp8 x fp8 product ``x2d @ W.T (+ bias)``, or None after a logged failure."""
     try:
-        layout = w.layout
+        layout, k = w.layout, (custom_ops if _traced("fp8", x2d.device) else kernels)
         if _is_block128(layout):
-            xq, sa = kernels.quantize_groups(x2d, _ACT_DTYPE)
+            xq, sa = k.quantize_groups(x2d, _ACT_DTYPE)
             sb = w.scale.t()  # [K/128, N/128]; its transpose is the contiguous [N/128, K/128]
         else:
             mode = _scaling_mode(w, cfg)
             if mode == "dynamic_row":
-                xq, sa = kernels.quantize_rows(x2d, _ACT_DTYPE)
+                xq, sa = k.quantize_rows(x2d, _ACT_DTYPE)
                 sb = _row_weight_scale(w)
             else:
-                xq, sa = kernels.quantize_tensor(
+                xq, sa = k.quantize_tensor(
                     x2d, w.input_scale if mode == "static" else None, _ACT_DTYPE)
                 if isinstance(layout, PerRow):  # row-wise weight: both operands row-wise
                     sa = sa.reshape(1, 1).expand(x2d.shape[0], 1).contiguous()
                     sb = _row_weight_scale(w)
                 else:
                     sb = w.scale.reshape(())
-        return _scaled_mm(xq, w.qdata.t(), sa, sb, bias, out_dtype)
+        mm = custom_ops.scaled_mm if k is custom_ops else _scaled_mm
+        return mm(xq, w.qdata.t(), sa, sb, bias, out_dtype)
     except Exception as exc:  # a kernel that cannot run here must not break the model
         log_once(("fp8_failed", x2d.device.type, type(exc).__name__, _first_line(exc)[:120]),
                  logging.WARNING,
@@ -337,7 +355,8 @@ def _dequantized_weight(x, w: QuantizedTensor, bias, cdt) -> torch.Tensor:
     page faults per step (see ``layouts.workspace``). The buffer is dead once F.linear returns."""
     keeps_weight = torch.is_grad_enabled() and (
         x.requires_grad or (bias is not None and bias.requires_grad))
-    if w.qdata.device.type != "cpu" or keeps_weight or w.transposed:
+    if (w.qdata.device.type != "cpu" or keeps_weight or w.transposed
+            or _traced("weight-only", x.device)):
         return w.dequantize(cdt)
     buf = workspace("weight_only", w.qdata.numel(), cdt).view(w.qdata.shape)
     return w.layout.dequantize(w.qdata, w.scale, cdt, out=buf)
@@ -366,8 +385,10 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
         block = _kernel_block(w)
         if block is not None and not needs_grad and cdt in (torch.bfloat16, torch.float16):
             out_f, in_f = w.qdata.shape
-            y = kernels.weight_only_linear(x.reshape(-1, in_f), w.qdata, w.scale, block[0],
-                                           block[1], bias)
+            # custom ops while torch.compile traces
+            k = custom_ops if _traced("weight-only", x.device) else kernels
+            y = k.weight_only_linear(
+                x.reshape(-1, in_f), w.qdata, w.scale, block[0], block[1], bias)
             return y.reshape(*x.shape[:-1], out_f)
     return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
 
@@ -382,6 +403,13 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     ``config`` overrides ``weight.config`` for this call. The output has the compute dtype
     (``config.compute_dtype``, else x's dtype).
     """
+    if torch.compiler.is_dynamo_compiling():
+        # Dynamo cannot follow this Python (a layout is an object it does not model). It gets the
+        # whole op instead, which comes back here through QuantizedTensor's F.linear handler while
+        # the compiler traces it with fake tensors, so the compiled graph holds the same math.
+        if config is not None and isinstance(weight, QuantizedTensor):
+            weight = weight.with_config(config)
+        return F.linear(x, weight, bias)
     if isinstance(bias, QuantizedTensor):
         bias = bias.dequantize()
     if isinstance(x, QuantizedTensor):
