@@ -19,6 +19,7 @@ tensor with one log line per op.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 
@@ -225,6 +226,18 @@ class QuantizedTensor(torch.Tensor):
         layout, orig_dtype, config, transposed = ctx
         return QuantizedTensor(inner_tensors["qdata"], inner_tensors["scale"], layout, orig_dtype,
                                inner_tensors.get("input_scale"), config, transposed)
+
+    def _stable_hash_for_caching(self) -> str:
+        """Key of this tensor in torch.compile's compiled-graph cache: its metadata and its inner
+        tensors' shapes, dtypes, strides and device types. Never the values (they are graph inputs),
+        as torch's default for wrapper subclasses, which warns when a subclass lacks this method."""
+        parts = [tuple(self.shape), repr(self._qlayout), str(self.orig_dtype), repr(self.config),
+                 self.transposed]
+        for name in _TENSOR_FIELDS:
+            t = getattr(self, name)
+            parts.append(None if t is None else
+                         (name, tuple(t.shape), str(t.dtype), tuple(t.stride()), t.device.type))
+        return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def __reduce_ex__(self, protocol):
         f = self._fields()

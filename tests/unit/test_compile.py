@@ -321,3 +321,16 @@ def test_cuda_fullgraph_keeps_the_fused_kernels(layout, path, fresh_graphs):
         assert {f"fp8_engram.{want}.default", "fp8_engram.scaled_mm.default"} <= ops, ops
     else:
         assert "fp8_engram.weight_only_linear.default" in ops, ops
+
+
+def test_compile_cache_key_is_metadata_only():
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(2, 64, 32, generator=g)
+    key = QuantizedTensor._stable_hash_for_caching
+    same = key(QuantizedTensor.from_float(a, PerRow())) == key(QuantizedTensor.from_float(b, PerRow()))
+    assert same  # values are graph inputs, never part of the key
+    keys = {key(QuantizedTensor.from_float(a, layout, config=cfg))
+            for layout in (PerTensor(), PerRow(), Block(32, 32), MXFP8())
+            for cfg in (None, ComputeConfig(path="fp8"))}
+    assert len(keys) == 8
+    assert key(QuantizedTensor.from_float(a, PerRow()).t()) != key(QuantizedTensor.from_float(a, PerRow()))
