@@ -187,3 +187,33 @@ def test_host_fetch_to_cuda_matches_independent_gather(fp8, tmp_path):
                     if fp8:
                         expect = _expected_rows(sfs[layer], indices[layer]).reshape(tokens, -1)
                         assert torch.equal(sf.cpu().contiguous(), expect)
+
+
+def test_memory_on_the_host_tier_memorizes_and_prefetches_like_a_local_one(tmp_path):
+    """A memory over a HostRowStore (new segment, then its saved file mapped) gives what the same memory
+    over a LocalRowStore gives; `prefetch` (the lookup run beside the text encoder) gives what `values` gives."""
+    from fp8_engram.engram.memory import EngramMemory, make_config
+    from fp8_engram.engram.streams import family_layout
+
+    vocab = [f"w{i}" for i in range(200)]
+    config, vocabs = make_config(family_layout("sd1", widths={"clip_l": 128}), {"l": vocab}, heads=4, rows_per_head=61, seed=3)
+    chunk = [(198, 1.0, 0)] + [(t, 1.0, i + 1) for i, t in enumerate([10, 11, 12, 13])] + [(199, 1.0, 0)]
+    tokens = {"l": [chunk + [(199, 1.0, 0)] * (77 - len(chunk))]}
+    g = torch.Generator().manual_seed(2)
+    base, target = torch.randn(1, 77, 128, generator=g), torch.randn(1, 77, 128, generator=g)
+    local = EngramMemory(config, LocalRowStore(config.rows_per_layer(1), config.hidden, torch.float8_e4m3fn), vocabs)
+    host = EngramMemory(config, HostRowStore.new(config.rows_per_layer(1), config.hidden, torch.float8_e4m3fn), vocabs)
+    for memory in (local, host):
+        memory.memorize(tokens, base, target)
+    expected = local.apply(base, tokens)
+    assert not torch.equal(expected, base)
+    assert torch.equal(host.apply(base, tokens), expected)
+    looked_up = host.prefetch(tokens).result()
+    assert torch.equal(host.apply(base, tokens, looked_up=looked_up), expected)
+    assert [h.entries_hit for h in host.hits(tokens, looked_up)] == [h.entries_hit for h in local.hits(tokens)]
+    path = str(tmp_path / "m.safetensors")
+    host.save(path)
+    mapped = EngramMemory(config, HostRowStore.from_table_file(path), vocabs)
+    assert torch.equal(mapped.apply(base, tokens), expected)
+    with pytest.raises(Exception):
+        mapped.prefetch({"t5xxl": []}).result()  # a lookup's error comes out of result()
