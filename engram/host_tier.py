@@ -201,16 +201,23 @@ class HostTable:
         """out[i] (uint8 [k, row_bytes]) = row ids[i] of the layer, zero when invalid; sf_out likewise.
 
         Not guarded against writers: `read()` is."""
+        # As few passes over the ids as possible, so the cost stays that of the select itself: one
+        # reduction tells whether every id is valid (the usual case); otherwise clamp into the table,
+        # select, and zero the rows of the ids the clamp moved.
         n = self.rows_per_layer[layer]
-        valid = (ids >= 0) & (ids < n)
-        safe = torch.where(valid, ids, 0)
+        if ids.numel() == 0:
+            return
+        low, high = torch.aminmax(ids)
+        all_valid = int(low) >= 0 and int(high) < n
+        safe = ids if all_valid else ids.clamp(0, n - 1)
         words = self.table_words[layer]
         torch.index_select(words, 0, safe, out=out.view(words.dtype))
         if sf_out is not None:
             sf_words = self.sf_words[layer]
             torch.index_select(sf_words, 0, safe, out=sf_out.view(sf_words.dtype))
-        if not bool(valid.all()):
-            invalid = torch.nonzero(~valid).squeeze(1)
+        if not all_valid:
+            moved = safe != ids
+            invalid = torch.nonzero(moved).squeeze(1)
             out.index_fill_(0, invalid, 0)
             if sf_out is not None:
                 sf_out.index_fill_(0, invalid, 0)
@@ -387,14 +394,21 @@ class HostEngramBuffer:
                 sf_layer_stride, sf_strides = sf_width * mn_stride, (1, mn_stride)
             else:
                 sf_layer_stride, sf_strides = sf_width * num_tokens, (sf_width, 1)
-            sf_backing = torch.zeros((num_layers, sf_layer_stride), dtype=table.sf_dtype, pin_memory=cuda)
-            sf_rows = torch.empty((n, table.sf_row_bytes), dtype=torch.uint8)
+            sf_backing = torch.empty((num_layers, sf_layer_stride), dtype=table.sf_dtype, pin_memory=cuda)
+            if use_tma_aligned_col_major_sf and mn_stride > num_tokens:  # the alignment padding reads as zero
+                sf_backing.view(num_layers, sf_width, mn_stride)[:, :, num_tokens:].zero_()
+            # Row-major scales are gathered straight into place; MN-major ones through rows, then transposed.
+            sf_rows = torch.empty((n, table.sf_row_bytes), dtype=torch.uint8) if use_tma_aligned_col_major_sf else None
 
         def gather_all() -> None:
             for layer in range(num_layers):
                 out_rows = data[layer].view(torch.uint8).view(n, table.row_bytes)
-                table.gather(layer, host_ids[layer].view(n), out_rows, sf_rows if self.use_fp8 else None)
-                if self.use_fp8:
+                if not self.use_fp8:
+                    table.gather(layer, host_ids[layer].view(n), out_rows, None)
+                elif sf_rows is None:
+                    table.gather(layer, host_ids[layer].view(n), out_rows, sf_backing[layer].view(torch.uint8).view(n, table.sf_row_bytes))
+                else:
+                    table.gather(layer, host_ids[layer].view(n), out_rows, sf_rows)
                     sf = sf_backing.as_strided((num_tokens, sf_width), sf_strides, layer * sf_layer_stride)
                     sf.copy_(sf_rows.view(table.sf_dtype).view(num_tokens, sf_width))
 

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -334,6 +334,17 @@ class EngramMemory:
                 return self.values(tokens)
 
         return _prefetch_pool().submit(lookup)
+
+    def lookup_beside(self, tokens: Mapping[str, Any], work: Callable[[], Any]) -> tuple[Any, tuple]:
+        """(work(), the lookup of `tokens`), the lookup running on a thread while `work` (the text
+        encoder) runs here. When `work` raises, the lookup is waited for and the error propagates."""
+        pending = self.prefetch(tokens)
+        try:
+            result = work()
+        except BaseException:
+            wait([pending])
+            raise
+        return result, pending.result()
 
     def values(self, tokens: Mapping[str, Any]) -> tuple[list[StreamTokens], list[torch.Tensor], list[torch.Tensor]]:
         """(placed streams, memory values v per stream float32 [n, width], fetched rows per stream)."""

@@ -6,7 +6,6 @@ processes). Writes (Memorize, Train) change the memory in place: tables can be t
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import json
@@ -803,10 +802,6 @@ def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dic
     return out
 
 
-def _finish(pending: concurrent.futures.Future) -> None:
-    """Wait for a lookup whose result is no longer wanted (so that no thread reads a memory being closed)."""
-    concurrent.futures.wait([pending])
-
 
 class EngramTextEncode(io.ComfyNode):
     @classmethod
@@ -832,13 +827,7 @@ class EngramTextEncode(io.ComfyNode):
             _bind(memory, clip)
             tokens = _tokenize(clip, text)
             # The rows each token reads follow from its id alone: look them up while the encoder runs.
-            pending = memory.prefetch(tokens)
-            try:
-                conditioning = _encode(clip, tokens)
-            except BaseException:
-                _finish(pending)
-                raise
-            looked_up = pending.result()
+            conditioning, looked_up = memory.lookup_beside(tokens, lambda: _encode(clip, tokens))
             out = _apply_to_conditioning(conditioning, memory, tokens, strength, looked_up)
             ui = _hit_report(memory, tokens, clip, looked_up)
         return io.NodeOutput(out, ui=ui)

@@ -209,6 +209,10 @@ def test_memory_on_the_host_tier_memorizes_and_prefetches_like_a_local_one(tmp_p
     assert not torch.equal(expected, base)
     assert torch.equal(host.apply(base, tokens), expected)
     looked_up = host.prefetch(tokens).result()
+    encoded, beside = host.lookup_beside(tokens, lambda: "encoded")
+    assert encoded == "encoded" and torch.equal(host.apply(base, tokens, looked_up=beside), expected)
+    with pytest.raises(KeyError):
+        host.lookup_beside(tokens, lambda: {}["the encoder failed"])
     assert torch.equal(host.apply(base, tokens, looked_up=looked_up), expected)
     assert [h.entries_hit for h in host.hits(tokens, looked_up)] == [h.entries_hit for h in local.hits(tokens)]
     path = str(tmp_path / "m.safetensors")
