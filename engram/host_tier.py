@@ -36,6 +36,7 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,9 @@ PLACEMENTS = ("device", "host", "auto")
 _SHM_DIR = "/dev/shm"
 _MADV_RANDOM = 1
 _READ_TRIES = 3
+# A fetch of at most this many rows of a mapped file first asks the kernel to read them all at once
+# (prompt-sized lookups on a cold file: one parallel batch of disk reads instead of one fault at a time).
+_WILLNEED_MAX_ROWS = 16384
 
 
 def _word_dtype(*sizes: int) -> torch.dtype:
@@ -144,6 +148,11 @@ class HostTable:
         self.num_bytes = table_bytes(self.rows_per_layer, hidden, table_dtype)
         self._backing = backing
         self.seqlock = _SeqLock()
+        self._table_offsets, self._sf_offsets = list(table_offsets), list(sf_offsets or [])
+        self._fd: int | None = None
+        if source is not None:
+            self._fd = os.open(source, os.O_RDONLY)
+            self._fd_closer = weakref.finalize(self, os.close, self._fd)
 
         def region(offset: int, n: int, width: int) -> torch.Tensor:
             return backing[offset : offset + n * width].view(n, width)
@@ -207,6 +216,8 @@ class HostTable:
         n = self.rows_per_layer[layer]
         if ids.numel() == 0:
             return
+        if self._fd is not None and ids.numel() <= _WILLNEED_MAX_ROWS:
+            self._will_need(layer, ids)
         low, high = torch.aminmax(ids)
         all_valid = int(low) >= 0 and int(high) < n
         safe = ids if all_valid else ids.clamp(0, n - 1)
@@ -221,6 +232,19 @@ class HostTable:
             out.index_fill_(0, invalid, 0)
             if sf_out is not None:
                 sf_out.index_fill_(0, invalid, 0)
+
+    def _will_need(self, layer: int, ids: torch.Tensor) -> None:
+        """Start reading the file pages of these rows (and scales) at once; advisory, never fails."""
+        n = self.rows_per_layer[layer]
+        table_at, sf_at = self._table_offsets[layer], self._sf_offsets[layer] if self._sf_offsets else None
+        try:
+            for row in torch.unique(ids).tolist():
+                if 0 <= row < n:
+                    os.posix_fadvise(self._fd, table_at + row * self.row_bytes, self.row_bytes, os.POSIX_FADV_WILLNEED)
+                    if sf_at is not None:
+                        os.posix_fadvise(self._fd, sf_at + row * self.sf_row_bytes, self.sf_row_bytes, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # no posix_fadvise here: the faults read the rows one by one
+            pass
 
     def read(self, fn: Callable[[], Any]) -> Any:
         """Run a gather so that it sees no write half done (see the module docstring)."""
@@ -239,6 +263,9 @@ class HostTable:
         self.seqlock.write(write)
 
     def close(self) -> None:
+        if self._fd is not None:
+            self._fd_closer()
+            self._fd = None
         self.tables = self.table_words = []
         self.scales = self.sf_words = None
         self._backing = None
