@@ -304,7 +304,10 @@ def main() -> None:
     parser.add_argument("--ranks", default=None, help="comma-separated rank counts (default 1,2,4 on the CPU, 1,2,4,8 on CUDA)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 9 on the CPU, 25 on CUDA)")
     parser.add_argument("--tier", choices=["ranks", "host", "all"], default="all", help="device ranks (EngramGroup), the host tier, or both")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's); 1 keeps a loaded machine's thread stalls out of small ops")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
     cuda = args.device == "cuda"

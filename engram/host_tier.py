@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("device", "host", "auto")
 _SHM_DIR = "/dev/shm"
-_MADV_RANDOM = 1
+_MADV_NORMAL, _MADV_RANDOM = 0, 1
 _READ_TRIES = 3
 # A fetch of at most this many rows of a mapped file first asks the kernel to read them all at once
 # (prompt-sized lookups on a cold file: one parallel batch of disk reads instead of one fault at a time).
@@ -73,13 +73,16 @@ def _word_dtype(*sizes: int) -> torch.dtype:
     return torch.uint8
 
 
-def _advise_random(t: torch.Tensor) -> None:
-    """No read-ahead on a file map: a fetch should page in its rows, not their neighbours."""
+def _advise(t: torch.Tensor, advice: int) -> None:
+    """madvise over a tensor's pages: random access (no read-ahead: a fetch pages in its rows, not their
+    neighbours) while serving, normal read-ahead while the whole table is read (a save)."""
+    if t is None or t.numel() == 0:
+        return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         start = t.data_ptr() & ~(mmap.PAGESIZE - 1)
         length = t.data_ptr() + t.numel() * t.element_size() - start
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_RANDOM)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
     except (OSError, AttributeError):  # not Linux: read-ahead stays on, nothing else changes
         pass
 
@@ -177,7 +180,7 @@ class HostTable:
             sf_offsets = [f.byte_range(scales_key(l))[0] for l in range(f.num_layers)] if dtype == torch.float8_e4m3fn else None
         size = os.path.getsize(path)
         backing = torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-        _advise_random(backing)
+        _advise(backing, _MADV_RANDOM)
         return cls(rows, hidden, dtype, backing, table_offsets, sf_offsets, path)
 
     @classmethod
@@ -559,7 +562,13 @@ class HostRowStore:
         views = [t.view(self.table_dtype).view(n, self.hidden) for t, n in zip(table.tables, self.rows_per_layer)]
         scales = [s.view(table.sf_dtype).view(n, self.num_sf_packs) for s, n in zip(table.scales, self.rows_per_layer)] if table.scales is not None else None
         with table.seqlock.lock:  # writers wait; fetches go on
-            write_table_file(path, views, scales, hashing=hashing, streams=streams)
+            if table.source is not None:
+                _advise(table._backing, _MADV_NORMAL)  # read the whole file with read-ahead
+            try:
+                write_table_file(path, views, scales, hashing=hashing, streams=streams)
+            finally:
+                if table.source is not None:
+                    _advise(table._backing, _MADV_RANDOM)
 
     def load_table_file(self, path: str) -> dict:
         """Map a table file of the same geometry in place of the current tables; returns its metadata."""
