@@ -665,7 +665,8 @@ class LoadEngramMemory(io.ComfyNode):
             return float("nan")
         mtime = os.path.getmtime(path)
         live = _live_memory(_current_node_id())
-        memory = live if live is not None and live.load_settings == (path, mtime, devices, cpu_ranks, gpu_ranks or 0, placement or "auto") else None
+        settings = (path, mtime, devices, cpu_ranks, gpu_ranks or 0, placement or "auto")
+        memory = live if live is not None and getattr(live, "load_settings", None) == settings else None
         if memory is None:
             return mtime
         if _problem(memory) is not None:
@@ -800,7 +801,6 @@ def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dic
     for cond, extra in conditioning:
         out.append([memory.apply(cond, tokens, strength, looked_up=looked_up), dict(extra)])
     return out
-
 
 
 class EngramTextEncode(io.ComfyNode):
