@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import ue8m0
@@ -221,17 +222,22 @@ class HostTable:
             return
         if self._fd is not None and ids.numel() <= _WILLNEED_MAX_ROWS:
             self._will_need(layer, ids)
-        low, high = torch.aminmax(ids)
-        all_valid = int(low) >= 0 and int(high) < n
-        safe = ids if all_valid else ids.clamp(0, n - 1)
+        # The bookkeeping on the ids runs in numpy, single-threaded: a few tiny passes that as torch ops
+        # would each start the intra-op thread pool (milliseconds apiece on a busy machine).
+        ids_np = ids.contiguous().numpy()
+        all_valid = int(ids_np.min()) >= 0 and int(ids_np.max()) < n
+        if all_valid:
+            safe = ids
+        else:
+            safe_np = np.clip(ids_np, 0, n - 1)
+            invalid = torch.from_numpy(np.flatnonzero(safe_np != ids_np))
+            safe = torch.from_numpy(safe_np)
         words = self.table_words[layer]
         torch.index_select(words, 0, safe, out=out.view(words.dtype))
         if sf_out is not None:
             sf_words = self.sf_words[layer]
             torch.index_select(sf_words, 0, safe, out=sf_out.view(sf_words.dtype))
         if not all_valid:
-            moved = safe != ids
-            invalid = torch.nonzero(moved).squeeze(1)
             out.index_fill_(0, invalid, 0)
             if sf_out is not None:
                 sf_out.index_fill_(0, invalid, 0)
