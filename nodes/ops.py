@@ -24,7 +24,7 @@ import torch
 
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
-from ..quant import mxfp8
+from ..quant import mxfp8, nvfp4
 from ..quant.layouts import release_workspace
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                     if isinstance(w, QuantizedTensor):
                         # 0.29 stores MXFP8 layers padded to multiples of 32; the model's size is the true one
                         w = mxfp8.at_shape(w, (self.out_features, self.in_features))
+                        w = nvfp4.at_shape(w, (self.out_features, self.in_features))  # 0.33 pads to 16
                         if w.config is None:
                             w = w.with_config(FP8Ops.fp8_config)
                         if self.factory_device is not None:

@@ -21,6 +21,8 @@ Formats (see DESIGN.md):
 | `weight_scale`         | `.weight_scale` (+ `.input_scale`) without ComfyUI metadata: modelopt, |
 |                        | diffusers, compressed-tensors                                          |
 | `blockwise_scale_inv`  | `.weight_scale_inv` per block (DeepSeek style, 128x128)                |
+| (per layer) nvfp4      | `.comfy_quant` `{"format": "nvfp4"}`: packed e2m1 `.weight` (uint8),   |
+|                        | e4m3 `.weight_scale` (tiled), `.weight_scale_2` (quant/nvfp4.py)       |
 
 Every scale multiplies: `w = fp8 * expand(scale)`. Anything unknown or inconsistent raises
 `FormatError`, whose message names the file, the key and what was expected.
@@ -416,9 +418,10 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
     T = hdr.tensors
     consumed: set[str] = set()
 
+    nv_layers = _detect_nvfp4(path, T, rd)  # ComfyUI 0.33's NVFP4 layers (their own keys and checks)
     for key in T:
         for suf in _UNSUPPORTED_SUFFIXES:
-            if key.endswith(suf):
+            if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
                 raise _err(path, key, f"this file uses a quantization scheme this pack does not read ('{suf}' keys, "
                            "e.g. int4/nvfp4/zero points)", "an FP8 checkpoint (float8 weights with float scales)")
 
@@ -482,11 +485,13 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
                     raise _err(path, key, f"'{suf}' entry without a weight", f"a tensor '{wk}'")
                 break
 
-    layers: dict[str, LayerInfo] = {}
-    scales: dict[str, torch.Tensor] = {}
+    layers: dict[str, LayerInfo] = {wk: info for wk, (info, _) in nv_layers.items()}
+    scales: dict[str, torch.Tensor] = {wk: scale for wk, (_, scale) in nv_layers.items()}
     input_scales: dict[str, torch.Tensor] = {}
+    for info in layers.values():
+        consumed.update((info.scale_key,) + info.consumed)
 
-    for wk in sorted(weight_keys):
+    for wk in sorted(weight_keys - set(nv_layers)):
         e = T[wk]
         name = _layer_name(wk)
         present = [s for s in _SCALE_SUFFIXES if name + s in T]
@@ -644,14 +649,19 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
             continue
         if k.endswith(".weight") and len(e.shape) == 2:
             linear += 1
-        if e.dtype in FLOAT_DTYPES or e.dtype in FP8_DTYPES:
+        if k in layers and layers[k].granularity == "nvfp4":
+            bf16 += e.numel * 4  # two 4-bit values per byte
+        elif e.dtype in FLOAT_DTYPES or e.dtype in FP8_DTYPES:
             bf16 += e.numel * 2
         else:
             bf16 += e.nbytes
     stock = all(i.granularity == "tensor" and i.source in (PLAIN, COMFY_SCALED, COMFY_METADATA) and
                 (i.source != COMFY_METADATA or i.fp8_dtype == torch.float8_e4m3fn) for i in layers.values())
     notes = []
-    if any(i.granularity == "mxfp8" for i in layers.values()):
+    if any(i.granularity == "nvfp4" for i in layers.values()):
+        notes.append("nvfp4 layers (ComfyUI 0.33's own form): stock ComfyUI 0.33 and newer read them, older ones "
+                     "cannot; this pack runs them weight-only")
+    elif any(i.granularity == "mxfp8" for i in layers.values()):
         notes.append("mxfp8 layers (ComfyUI 0.29's own form): stock ComfyUI 0.29 and newer read them, 0.3.75 cannot "
                      "(for it, quantize per tensor)")
     elif not stock:
@@ -662,10 +672,54 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     return FormatReport(
         path=hdr.path, format=name, formats=formats, layers_quantized=len(layers), linear_weights=linear,
         bytes_on_disk=hdr.file_size, bytes_bf16=bf16,
-        fp8_dtypes=sorted({_fp8_name(i.fp8_dtype) for i in layers.values()}), granularities=grans,
+        fp8_dtypes=sorted({"e2m1" if i.granularity == "nvfp4" else _fp8_name(i.fp8_dtype) for i in layers.values()}),
+        granularities=grans,
         fp8_matmul_allowed=fp8_mm, layers=sorted(layers.values(), key=lambda i: i.name), notes=notes,
         stock_comfy_readable=stock,
     )
+
+
+def _detect_nvfp4(path, T: dict, rd: _LazyReader) -> dict:
+    """The layers of a file in ComfyUI 0.33's NVFP4 form: `.comfy_quant` says "nvfp4" (see quant/nvfp4.py).
+    Returns {weight key: (LayerInfo, the QuantizedTensor's scale bytes)}; reads only scales and JSON."""
+    from .layouts import QuantizationError
+    from .nvfp4 import GROUP, scales_from_file
+
+    found = {}
+    for cq_key, ce in T.items():
+        if not cq_key.endswith(".comfy_quant") or ce.dtype != torch.uint8 or len(ce.shape) != 1 \
+                or ce.nbytes > MAX_COMFY_QUANT_BYTES:
+            continue  # anything malformed is reported by the general reader
+        raw = rd.get(cq_key).numpy().tobytes()
+        if b"nvfp4" not in raw:
+            continue
+        cq = _loads(path, cq_key, raw, 'uint8 bytes of a JSON object like {"format": "nvfp4"}')
+        if not isinstance(cq, dict) or cq.get("format") != "nvfp4":
+            continue
+        name = cq_key[: -len(".comfy_quant")]
+        wk, sk, s2k = name + ".weight", name + ".weight_scale", name + ".weight_scale_2"
+        for key in (wk, sk, s2k):
+            if key not in T:
+                raise _err(path, key, "missing tensor of an NVFP4 layer (comfy_quant says nvfp4)",
+                           f"'{wk}' (uint8 packed e2m1), '{sk}' (e4m3 block scales) and '{s2k}' (float32 scale)")
+        if name + ".pre_quant_scale" in T:
+            raise _err(path, name + ".pre_quant_scale", "NVFP4 layers with a pre-quantization input scale (AWQ "
+                       "smoothing) are not supported", "an NVFP4 layer without '.pre_quant_scale'")
+        e = T[wk]
+        if e.dtype != torch.uint8 or len(e.shape) != 2 or e.shape[0] % GROUP or (2 * e.shape[1]) % GROUP:
+            raise _err(path, wk, f"NVFP4 weight has dtype {_fp8_name(e.dtype)} and shape {list(e.shape)}",
+                       f"uint8 [R, C / 2] with R and C multiples of {GROUP}")
+        try:
+            _, scale = scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
+        except QuantizationError as exc:
+            raise _err(path, sk, f"bad NVFP4 scales ({exc})",
+                       "e4m3 block scales in cuBLAS's 128x4 tiled order and one finite float32 scale > 0") from exc
+        extra = [s2k, cq_key] + [name + s for s in _INPUT_SCALE_SUFFIXES if name + s in T]
+        shape = (int(e.shape[0]), int(e.shape[1]) * 2)
+        info = LayerInfo(name, COMFY_PER_LAYER, "nvfp4", None, torch.uint8, shape, wk, sk, None,
+                         bool(cq.get("full_precision_matrix_mult", False)), tuple(extra))
+        found[wk] = (info, scale)
+    return found
 
 
 def inspect_file(path) -> FormatReport:
@@ -720,6 +774,10 @@ def make_layout(info: LayerInfo):
         from .mxfp8 import MXFP8
 
         return MXFP8()
+    if info.granularity == "nvfp4":  # the stored (padded) shape; the model's Linear gives the true one
+        from .nvfp4 import NVFP4
+
+        return NVFP4(*info.shape)
     if info.granularity == "tensor":
         return PerTensor()
     if info.granularity == "row":
