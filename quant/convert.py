@@ -66,14 +66,16 @@ def convert_file(src, dst, *, granularity: str = "tensor", fp8_dtype="e4m3fn", k
 
             def make(key=key, t=t, name=name):
                 src_w = t.dequantize(torch.float32) if save.is_quantized(t) else t
-                qt = QuantizedTensor.from_float(src_w, layout, fp8_dtype=fp8, stochastic_rounding=stochastic_rounding)
+                qt = QuantizedTensor.from_float(src_w, layout or make_layout(granularity, block, src_w.shape),
+                                                fp8_dtype=fp8, stochastic_rounding=stochastic_rounding)
                 orig = t.orig_dtype if save.is_quantized(t) else t.dtype
                 qt = QuantizedTensor.from_parts(qt.qdata, qt.scale, qt.layout, orig_dtype=orig,
                                                 input_scale=getattr(t, "input_scale", None))
                 sqnr[name] = sqnr_db(src_w, qt.dequantize(torch.float32))
                 return qt
 
-            plan[key] = save.PendingQuantized(tuple(t.shape), fp8, layout, getattr(t, "input_scale", None) is not None, make)
+            plan[key] = save.PendingQuantized(tuple(t.shape), fp8, layout or make_layout(granularity, block, t.shape),
+                                              getattr(t, "input_scale", None) is not None, make)
         else:
             plan[key] = t
     meta = {"fp8_engram_source": os.path.basename(os.fspath(src)), "fp8_engram_source_format": report.format}
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--info", metavar="FILE", help="print the format summary of FILE and exit")
     p.add_argument("--layers", action="store_true", help="with --info: list every quantized layer")
     p.add_argument("--granularity", choices=GRANULARITIES, default="tensor",
-                   help="scale granularity (tensor: stock ComfyUI reads it; row/block: better quality, this pack only)")
+                   help="scale granularity (tensor: stock ComfyUI reads it; row/block: better quality, this pack only; "
+                   "mxfp8 / nvfp4: ComfyUI 0.29's / 0.33's own forms, e4m3fn data / 4-bit e2m1 data)")
     p.add_argument("--block", type=parse_block, default=(128, 128), help="block size for --granularity block (ROWSxCOLS)")
     p.add_argument("--dtype", choices=("e4m3fn", "e5m2"), default="e4m3fn", help="FP8 element type")
     p.add_argument("--keep", nargs="*", default=[], metavar="PATTERN",

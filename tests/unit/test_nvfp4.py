@@ -163,3 +163,17 @@ def test_bad_nvfp4_files_name_the_key(tmp_path):
     path, _, _ = _file(tmp_path, extra={"blocks.0.proj.comfy_quant": cq})
     with pytest.raises(FormatError):
         load_file(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 300, 2000])
+def test_cuda_weight_only_linear_matches_the_cpu_rule(m):
+    """On CUDA the fused GEMM (m <= FUSED_MAX_M) or dequantize + cuBLAS: the same weights as the CPU path."""
+    shape = (200, 1000)
+    qt = QuantizedTensor.from_float(_w(shape, 3), NVFP4.for_shape(shape)).to("cuda")
+    assert torch.equal(qt.dequantize(torch.bfloat16).cpu(), qt.to("cpu").dequantize(torch.bfloat16))
+    x = torch.randn(m, shape[1], device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(shape[0], device="cuda", dtype=torch.bfloat16)
+    y = linear(x, qt, b)
+    ref = x.double() @ qt.dequantize(torch.bfloat16).double().t() + b.double()
+    assert y.dtype == torch.bfloat16 and sqnr(ref, y) > 40.0
