@@ -418,7 +418,7 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
     T = hdr.tensors
     consumed: set[str] = set()
 
-    nv_layers = _detect_nvfp4(path, T, rd)  # ComfyUI 0.33's NVFP4 layers (their own keys and checks)
+    nv_layers = _detect_nvfp4(path, hdr, rd)  # ComfyUI's NVFP4 layers (their own keys and checks)
     for key in T:
         for suf in _UNSUPPORTED_SUFFIXES:
             if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
@@ -455,6 +455,8 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
             if not isinstance(entry, dict):
                 raise _err(path, f"{mk}.layers.{name}", f"layer entry is {type(entry).__name__} {entry!r}, not an object",
                            '{"format": "float8_e4m3fn"} (the plain-string form crashes ComfyUI 0.3.75)')
+            if entry.get("format") == "nvfp4" and name + ".weight" in nv_layers:
+                continue  # read above, with its own checks
             if not isinstance(entry.get("format"), str) or entry.get("format") not in COMFY_FORMATS:
                 raise _err(path, f"{mk}.layers.{name}", f"unsupported layer format {_short(entry.get('format'))}",
                            "'float8_e4m3fn', 'float8_e5m2' or 'mxfp8'")
@@ -679,13 +681,22 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     )
 
 
-def _detect_nvfp4(path, T: dict, rd: _LazyReader) -> dict:
-    """The layers of a file in ComfyUI 0.33's NVFP4 form: `.comfy_quant` says "nvfp4" (see quant/nvfp4.py).
-    Returns {weight key: (LayerInfo, the QuantizedTensor's scale bytes)}; reads only scales and JSON."""
+def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader) -> dict:
+    """The layers of a file in ComfyUI's NVFP4 form (see quant/nvfp4.py): a `.comfy_quant` or an entry of
+    `_quantization_metadata` (which ComfyUI turns into `.comfy_quant`) says "nvfp4". Returns
+    {weight key: (LayerInfo, the QuantizedTensor's scale bytes)}; reads only scales and JSON."""
     from .layouts import QuantizationError
     from .nvfp4 import GROUP, scales_from_file
 
-    found = {}
+    T = hdr.tensors
+    confs: dict[str, tuple[dict, str]] = {}  # layer -> (its JSON, format name)
+    qm_text = hdr.metadata.get(QUANT_METADATA_KEY, "")
+    if "nvfp4" in qm_text:
+        qm = _parse_json_metadata(path, f"__metadata__.{QUANT_METADATA_KEY}", qm_text, "quantization metadata JSON")
+        layers = qm.get("layers") if isinstance(qm, dict) else None
+        for name, entry in (layers.items() if isinstance(layers, dict) else ()):
+            if isinstance(entry, dict) and entry.get("format") == "nvfp4":
+                confs[name] = (entry, COMFY_METADATA)
     for cq_key, ce in T.items():
         if not cq_key.endswith(".comfy_quant") or ce.dtype != torch.uint8 or len(ce.shape) != 1 \
                 or ce.nbytes > MAX_COMFY_QUANT_BYTES:
@@ -694,13 +705,17 @@ def _detect_nvfp4(path, T: dict, rd: _LazyReader) -> dict:
         if b"nvfp4" not in raw:
             continue
         cq = _loads(path, cq_key, raw, 'uint8 bytes of a JSON object like {"format": "nvfp4"}')
-        if not isinstance(cq, dict) or cq.get("format") != "nvfp4":
-            continue
-        name = cq_key[: -len(".comfy_quant")]
+        if isinstance(cq, dict) and cq.get("format") == "nvfp4":
+            name = cq_key[: -len(".comfy_quant")]
+            confs[name] = (cq, COMFY_METADATA if name in confs else COMFY_PER_LAYER)
+
+    found = {}
+    for name, (cq, source) in sorted(confs.items()):
+        cq_key = name + ".comfy_quant"
         wk, sk, s2k = name + ".weight", name + ".weight_scale", name + ".weight_scale_2"
         for key in (wk, sk, s2k):
             if key not in T:
-                raise _err(path, key, "missing tensor of an NVFP4 layer (comfy_quant says nvfp4)",
+                raise _err(path, key, "missing tensor of an NVFP4 layer (the file says the layer is nvfp4)",
                            f"'{wk}' (uint8 packed e2m1), '{sk}' (e4m3 block scales) and '{s2k}' (float32 scale)")
         if name + ".pre_quant_scale" in T:
             raise _err(path, name + ".pre_quant_scale", "NVFP4 layers with a pre-quantization input scale (AWQ "
@@ -714,9 +729,9 @@ def _detect_nvfp4(path, T: dict, rd: _LazyReader) -> dict:
         except QuantizationError as exc:
             raise _err(path, sk, f"bad NVFP4 scales ({exc})",
                        "e4m3 block scales in cuBLAS's 128x4 tiled order and one finite float32 scale > 0") from exc
-        extra = [s2k, cq_key] + [name + s for s in _INPUT_SCALE_SUFFIXES if name + s in T]
+        extra = [s2k] + [k for k in [cq_key] + [name + s for s in _INPUT_SCALE_SUFFIXES] if k in T]
         shape = (int(e.shape[0]), int(e.shape[1]) * 2)
-        info = LayerInfo(name, COMFY_PER_LAYER, "nvfp4", None, torch.uint8, shape, wk, sk, None,
+        info = LayerInfo(name, source, "nvfp4", None, torch.uint8, shape, wk, sk, None,
                          bool(cq.get("full_precision_matrix_mult", False)), tuple(extra))
         found[wk] = (info, scale)
     return found

@@ -177,3 +177,19 @@ def test_cuda_weight_only_linear_matches_the_cpu_rule(m):
     y = linear(x, qt, b)
     ref = x.double() @ qt.dequantize(torch.bfloat16).double().t() + b.double()
     assert y.dtype == torch.bfloat16 and sqnr(ref, y) > 40.0
+
+
+def test_layers_listed_in_quantization_metadata_load_like_comfy_quant_ones(tmp_path):
+    """ComfyUI turns `_quantization_metadata` entries into `.comfy_quant` tensors, so files may say nvfp4 there."""
+    from safetensors.torch import load_file as st_load
+
+    path, sd, _ = _file(tmp_path)
+    tensors = {k: v for k, v in st_load(str(path)).items() if not k.endswith(".comfy_quant")}
+    meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {
+        "blocks.0.proj": {"format": "nvfp4"}, "blocks.0.mlp": {"format": "nvfp4"}}})}
+    other = tmp_path / "meta.safetensors"
+    save_file(tensors, str(other), metadata=meta)
+    loaded, report = load_file(other)
+    assert report.format == "comfy_quant_metadata" and report.granularities == {"nvfp4": 2}
+    assert torch.equal(nvfp4.at_shape(loaded["blocks.0.proj.weight"], (50, 70)).dequantize(torch.float32),
+                       sd["blocks.0.proj.weight"].dequantize(torch.float32))
