@@ -309,7 +309,7 @@ class QuantizeModelToFP8(io.ComfyNode):
                                tooltip="One scale per tensor (stock ComfyUI can read it when saved), per row "
                                "(output channel), per 128x128 block; mxfp8: e4m3fn (only) with a power-of-two scale per "
                                "32 inputs (ComfyUI 0.29's form); nvfp4: 4-bit e2m1 values with an e4m3 scale per "
-                               "16 inputs (ComfyUI 0.33's form, about half of FP8's size; fp8_dtype is ignored)."),
+                               "16 inputs (ComfyUI's NVFP4 form, about half of FP8's size; fp8_dtype is ignored)."),
                 io.Combo.Input("fp8_dtype", options=["e4m3fn", "e5m2"], default="e4m3fn",
                                tooltip="e4m3fn: more precision (the usual choice); e5m2: more range."),
                 io.String.Input("keep_patterns", default=", ".join(DEFAULT_KEEP), multiline=True,

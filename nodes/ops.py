@@ -84,7 +84,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                     if isinstance(w, QuantizedTensor):
                         # 0.29 stores MXFP8 layers padded to multiples of 32; the model's size is the true one
                         w = mxfp8.at_shape(w, (self.out_features, self.in_features))
-                        w = nvfp4.at_shape(w, (self.out_features, self.in_features))  # 0.33 pads to 16
+                        w = nvfp4.at_shape(w, (self.out_features, self.in_features))  # NVFP4 files pad to 16
                         if w.config is None:
                             w = w.with_config(FP8Ops.fp8_config)
                         if self.factory_device is not None:

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", action="store_true", help="with --info: list every quantized layer")
     p.add_argument("--granularity", choices=GRANULARITIES, default="tensor",
                    help="scale granularity (tensor: stock ComfyUI reads it; row/block: better quality, this pack only; "
-                   "mxfp8 / nvfp4: ComfyUI 0.29's / 0.33's own forms, e4m3fn data / 4-bit e2m1 data)")
+                   "mxfp8 / nvfp4: ComfyUI's own forms (0.29 and newer), e4m3fn data / 4-bit e2m1 data)")
     p.add_argument("--block", type=parse_block, default=(128, 128), help="block size for --granularity block (ROWSxCOLS)")
     p.add_argument("--dtype", choices=("e4m3fn", "e5m2"), default="e4m3fn", help="FP8 element type")
     p.add_argument("--keep", nargs="*", default=[], metavar="PATTERN",

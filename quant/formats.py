@@ -661,7 +661,7 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
                 (i.source != COMFY_METADATA or i.fp8_dtype == torch.float8_e4m3fn) for i in layers.values())
     notes = []
     if any(i.granularity == "nvfp4" for i in layers.values()):
-        notes.append("nvfp4 layers (ComfyUI 0.33's own form): stock ComfyUI 0.33 and newer read them, older ones "
+        notes.append("nvfp4 layers (ComfyUI's own form): stock ComfyUI 0.29 and newer read them, older ones "
                      "cannot; this pack runs them weight-only")
     elif any(i.granularity == "mxfp8" for i in layers.values()):
         notes.append("mxfp8 layers (ComfyUI 0.29's own form): stock ComfyUI 0.29 and newer read them, 0.3.75 cannot "

@@ -1,7 +1,7 @@
 """NVFP4: 4-bit e2m1 weights with one FP8 e4m3 scale per 16 inputs and one float32 scale per tensor,
-as ComfyUI 0.33 (comfy-kitchen's `TensorCoreNVFP4Layout`) stores them.
+as ComfyUI stores them (comfy-kitchen's `TensorCoreNVFP4Layout`; 0.29 and newer, the form 0.33 ships).
 
-What a 0.33 file holds for a layer whose `<layer>.comfy_quant` says `{"format": "nvfp4"}`:
+What such a file holds for a layer whose `<layer>.comfy_quant` says `{"format": "nvfp4"}`:
 - `<layer>.weight`: uint8 `[R, C / 2]`, two e2m1 codes per byte, the even column in the high nibble;
   `R, C` are the layer's `[out, in]` each rounded up to a multiple of 16 (zero padding);
 - `<layer>.weight_scale`: float8_e4m3fn block scales, one per row and 16 columns, in cuBLAS's tiled
@@ -224,12 +224,12 @@ def encode_e2m1(v: torch.Tensor, generator=None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# files (0.33's form) <-> QuantizedTensor
+# files (ComfyUI's form) <-> QuantizedTensor
 # ---------------------------------------------------------------------------------------------
 
 
 def scales_from_file(weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, storage_shape) -> tuple[NVFP4, torch.Tensor]:
-    """A 0.33 file's scales of a layer whose data is uint8 `storage_shape` ([R, C / 2]) -> (the layout at the
+    """A file's scales of a layer whose data is uint8 `storage_shape` ([R, C / 2]) -> (the layout at the
     stored size, the QuantizedTensor's scale bytes). QuantizationError on anything that is not that form."""
     rows, half = (int(v) for v in storage_shape)
     if rows % GROUP or (2 * half) % GROUP or rows < 1 or half < 1:
@@ -254,7 +254,7 @@ def scales_from_file(weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, s
 
 def from_file(qdata: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
               orig_dtype=torch.bfloat16, config=None):
-    """A QuantizedTensor from a 0.33 file's three tensors; its logical shape is the stored (padded) one
+    """A QuantizedTensor from a file's three tensors; its logical shape is the stored (padded) one
     until `at_shape` gives the model's. QuantizationError on anything that is not that form."""
     from .tensor import QuantizedTensor
 
@@ -277,7 +277,7 @@ def at_shape(w, shape):
 
 
 def file_tensors(w) -> dict[str, torch.Tensor]:
-    """An NVFP4 QuantizedTensor in 0.33's on-disk form: {"weight", "weight_scale", "weight_scale_2"}
+    """An NVFP4 QuantizedTensor in ComfyUI's on-disk form: {"weight", "weight_scale", "weight_scale_2"}
     (key suffixes of the layer), the exact inverse of `from_file`."""
     if not is_nvfp4(w):
         raise QuantizationError(f"not an NVFP4 weight: {w!r}")

@@ -42,7 +42,7 @@ DEFAULT_KEEP: tuple[str, ...] = (
     "*text_projection*",
 )
 
-# mxfp8: 1 x 32 power-of-two scales (ComfyUI 0.29's form); nvfp4: 4-bit e2m1 (ComfyUI 0.33's form)
+# mxfp8: 1 x 32 power-of-two scales (ComfyUI 0.29's form); nvfp4: 4-bit e2m1 (ComfyUI's NVFP4 form, 0.29+)
 GRANULARITIES = ("tensor", "row", "block", "mxfp8", "nvfp4")
 FP8_NAMES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
              "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}

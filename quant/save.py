@@ -15,9 +15,9 @@ Encoding of a `QuantizedTensor` weight `<layer>.weight`:
   (UE8M0 bytes, F8_E8M0, in cuBLAS's 128x4 tiled order), `.comfy_quant` `{"format": "mxfp8"}`. Per-tensor
   layers in the same file get their `.comfy_quant` too, so 0.29 reads every layer. ComfyUI 0.3.75 has
   no MXFP8: a file for it must be quantized per tensor (the notes say so).
-- NVFP4 (`quant.nvfp4.NVFP4`): ComfyUI 0.33's own per-layer "nvfp4" form: `.weight` (uint8, packed e2m1,
+- NVFP4 (`quant.nvfp4.NVFP4`): ComfyUI's own per-layer "nvfp4" form: `.weight` (uint8, packed e2m1,
   padded to multiples of 16), `.weight_scale` (e4m3 block scales, tiled), `.weight_scale_2` (f32 []),
-  `.comfy_quant` `{"format": "nvfp4"}`; 0.33 and newer read it.
+  `.comfy_quant` `{"format": "nvfp4"}`; 0.29 and newer read it.
 Other tensors are written as they are. Writes stream tensor by tensor into a temporary file in the
 target folder, then move into place; an existing file is never replaced unless `overwrite=True`.
 """
@@ -53,7 +53,7 @@ def layout_kind(layout) -> tuple[str, tuple[int, int] | None]:
     name = type(layout).__name__
     if name == "MXFP8":  # a Block(1, 32) with power-of-two scales, stored in 0.29's own form
         return "mxfp8", None
-    if name == "NVFP4":  # packed 4-bit data, stored in 0.33's own form
+    if name == "NVFP4":  # packed 4-bit data, stored in ComfyUI's own form
         return "nvfp4", None
     if name == "PerTensor":
         return "tensor", None
@@ -285,7 +285,7 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
     stock = all_tensor and (legacy_dtype is not None or all(infos[k][0] == torch.float8_e4m3fn for k in quantized))
     has_mx = any(kinds[k][0] == "mxfp8" for k in quantized)
     has_nv = any(kinds[k][0] == "nvfp4" for k in quantized)
-    # every layer in a form ComfyUI 0.29 (0.33 for NVFP4) reads per layer (per-tensor e4m3fn/e5m2, MXFP8, NVFP4)
+    # every layer in a form ComfyUI 0.29 and newer read per layer (per-tensor e4m3fn/e5m2, MXFP8, NVFP4)
     kitchen = (has_mx or has_nv) and all(kinds[k][0] in ("tensor", "mxfp8", "nvfp4") for k in quantized)
     blocks = {kinds[k][1] for k in quantized if kinds[k][0] == "block"}
     slot: dict = {}
@@ -353,7 +353,7 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
         r, c = next(iter(blocks))
         metadata["quantization_config"] = json.dumps({"quant_method": "fp8", "weight_block_size": [r, c]})
     if has_nv:
-        notes.append("nvfp4 layers: written in ComfyUI 0.33's own per-layer form, which 0.33 and newer load; older "
+        notes.append("nvfp4 layers: written in ComfyUI's own per-layer form, which 0.29 and newer load; older "
                      "ComfyUI cannot read them")
     if has_mx:
         notes.append("mxfp8 layers: written in ComfyUI 0.29's own per-layer form, which 0.29 and newer load; "
@@ -394,7 +394,7 @@ def _add_mxfp8(add, layer: str, key: str, qt_of, shape, has_in: bool) -> None:
 
 
 def _add_nvfp4(add, layer: str, key: str, qt_of, layout) -> None:
-    """The entries of one NVFP4 layer in 0.33's form (see the module docstring and quant/nvfp4.py)."""
+    """The entries of one NVFP4 layer in ComfyUI's form (see the module docstring and quant/nvfp4.py)."""
     from .mxfp8 import padded_shape
     from .nvfp4 import file_tensors
 
