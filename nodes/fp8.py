@@ -128,6 +128,8 @@ def _summary(report: formats.FormatReport, cfg: ComputeConfig) -> dict:
     s = report.summary()
     s["layers_total"] = report.linear_weights
     s["compute_path"] = _path_label(cfg)
+    if "nvfp4" in report.granularities and "weight-only" not in s["compute_path"]:
+        s["compute_path"] += "; nvfp4 layers weight-only"  # the fp4 x fp4 matmul is not used
     return s
 
 
