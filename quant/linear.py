@@ -23,9 +23,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import int8, kernels
+from . import int8, kernels, nvfp4
 from .config import DEFAULT_CONFIG, ComputeConfig
 from .layouts import Block, PerRow, PerTensor, QuantizationError, workspace
+from .nvfp4 import NVFP4
 from .tensor import QuantizedTensor, log_once
 
 logger = logging.getLogger(__name__)
@@ -415,6 +416,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         cdt = _compute_dtype(x, config or weight.config or DEFAULT_CONFIG)
         return F.linear(x.to(cdt), weight.dequantize(cdt), None if bias is None else bias.to(cdt))
     cfg = config or weight.config or DEFAULT_CONFIG
+    if isinstance(weight.layout, NVFP4):  # packed 4-bit weights: weight-only everywhere (nvfp4.py)
+        return nvfp4.weight_only_linear(x, weight, bias, _compute_dtype(x, cfg))
     out_f, in_f = weight.qdata.shape
     if x.dim() == 0 or x.shape[-1] != in_f:
         raise QuantizationError(
