@@ -13,7 +13,11 @@ fused-GEMM and dequantize+cuBLAS halves), comfy_kitchen's FP8 QuantizedTensor (w
 torchao float8 dynamic (when it imports). Each variant's output SQNR vs float64 (on the first
 rows). Then a whole Flux-sized double block (linears + attention + norms), bf16 vs our FP8.
 
-    .venv/bin/python bench/quant_linear.py [--device cpu|cuda] [--repeats N] [--quick]
+    .venv/bin/python bench/quant_linear.py [--device cpu|cuda] [--repeats N] [--quick] [--int8]
+
+``--int8``: the INT8 path instead (see ``bench/_quant_linear_int8.py``): the four Flux shapes, bf16 /
+weight-only / int8 (rotated and not) / fp32 and ``_int_mm`` alone on the CPU / fp8 x fp8 per row on
+FP8 GPUs, time ratios to bf16 and SQNR vs float64 on Gaussian and outlier activations.
 
 The last line printed is one JSON object: {"bench": "quant_linear", ...}.
 """
@@ -84,8 +88,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
     ap.add_argument("--only", default=None, help="run only the shapes whose name contains this")
+    ap.add_argument("--int8", action="store_true",
+                    help="the INT8 path vs bf16 / weight-only / fp8 per row on the Flux shapes, with SQNR on "
+                    "Gaussian and outlier activations (bench/_quant_linear_int8.py)")
     args = ap.parse_args()
     device = args.device
+    if args.int8:
+        from _quant_linear_int8 import main_int8  # bench/_quant_linear_int8.py
+
+        print(json.dumps(main_int8(args)))
+        return
     if device == "cuda":
         from _quant_linear_cuda import main_cuda  # bench/_quant_linear_cuda.py
 

@@ -10,7 +10,8 @@ Nodes (ids "FP8Engram.<Name>", category "fp8-engram/fp8"):
 What the frontend gets: every node returns `ui` data in the executed message, read by
 web/fp8_engram.js:
 - loaders:  ui.fp8_summary = [{file, format, layers_quantized, layers_total, bytes_on_disk, bytes_bf16,
-            compute_path, fp8_dtypes, granularity, stock_comfyui_reads_scales, notes}]
+            compute_path, fp8_dtypes, granularity, stock_comfyui_reads_scales, notes,
+            int8 (when the int8 path converted weights: layers, mean/min SQNR, worst layer), int8_sqnr_db}]
 - quantize: ui.fp8_quality = [{granularity, dtype, layers, kept, mean_sqnr_db, min_sqnr_db, worst_layer}]
             and ui.text = [the per-layer table]
 - save:     ui.fp8_summary (of the written file) and ui.text = [a sentence saying where it went and
@@ -22,6 +23,7 @@ Loading goes through ComfyUI's own model construction with a fresh FP8 operation
 
 from __future__ import annotations
 
+import errno
 import io as _pyio
 import logging
 import math
@@ -43,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 FP8_CATEGORY = f"{CATEGORY}/fp8"
 
-COMPUTE_PATHS = {"auto": "auto", "fp8 matmul": "fp8", "weight-only": "weight_only"}
+COMPUTE_PATHS = {"auto": "auto", "fp8 matmul": "fp8", "weight-only": "weight_only", "int8": "int8",
+                 "int8 without rotation": "int8"}
 ACT_SCALING = {"auto": "auto", "static": "static", "dynamic per tensor": "dynamic_tensor", "dynamic per row": "dynamic_row"}
 COMPUTE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ROUNDING = ("nearest", "stochastic")
@@ -55,8 +58,11 @@ SOURCE_DTYPES_ATTR = "fp8_engram_source_dtypes"
 def _options():
     return [
         io.Combo.Input("compute_path", options=list(COMPUTE_PATHS), default="auto",
-                       tooltip="auto: fp8 x fp8 matmul on GPUs with FP8 units (CUDA 8.9+), weight-only elsewhere. "
-                       "fp8 matmul: always try it (falls back if it fails). weight-only: dequantize and multiply."),
+                       tooltip="auto: fp8 x fp8 matmul on GPUs with FP8 units (CUDA 8.9+); int8 on GPUs with INT8 but "
+                       "no FP8 units (CUDA 7.5-8.6: RTX 20/30, A100) and CPUs with VNNI/AMX; weight-only elsewhere. "
+                       "fp8 matmul: always try it (falls back if it fails). weight-only: dequantize and multiply. "
+                       "int8: weights converted to int8 per channel at load (rotated by a 128-wide Hadamard "
+                       "transform, which tames activation outliers, unless 'without rotation'), activations per token."),
         io.Combo.Input("activation_scaling", options=list(ACT_SCALING), default="auto",
                        tooltip="How activations are scaled for fp8 x fp8. auto: one dynamic scale per row (token), "
                        "quantized in one fused pass; the most accurate and, on FP8 GPUs, the fastest. static: the "
@@ -72,7 +78,8 @@ def _options():
 
 def _config(compute_path, activation_scaling, compute_dtype) -> ComputeConfig:
     return ComputeConfig(path=COMPUTE_PATHS[compute_path], activation_scaling=ACT_SCALING[activation_scaling],
-                         compute_dtype=COMPUTE_DTYPES[compute_dtype])
+                         compute_dtype=COMPUTE_DTYPES[compute_dtype],
+                         int8_rotation=compute_path != "int8 without rotation")
 
 
 def _path_label(cfg: ComputeConfig) -> str:
@@ -80,11 +87,16 @@ def _path_label(cfg: ComputeConfig) -> str:
         return "weight-only"
     if cfg.path == "fp8":
         return f"fp8 matmul ({cfg.activation_scaling})"
+    int8_label = "int8 (rotated 128)" if cfg.int8_rotation else "int8 (no rotation)"
+    if cfg.path == "int8":
+        return int8_label
     device = comfy.model_management.get_torch_device()
     from ..quant import fp8_supported
+    from ..quant.int8 import int8_supported
 
-    return (f"auto: fp8 matmul ({cfg.activation_scaling})" if fp8_supported(device)
-            else f"auto: weight-only on {device}")
+    if fp8_supported(device):
+        return f"auto: fp8 matmul ({cfg.activation_scaling})"
+    return f"auto: {int8_label} on {device}" if int8_supported(device) else f"auto: weight-only on {device}"
 
 
 def _progress_fn():
@@ -116,6 +128,25 @@ def _read(folder: str, name: str, cfg: ComputeConfig):
     return header, sd, report, metadata or None
 
 
+def _check_compute_range(patcher, sd: dict, report: formats.FormatReport, cfg: ComputeConfig, where: str) -> None:
+    """The loader checked every scale against float32's range (or the chosen compute dtype); ComfyUI
+    may pick float16 for the model (GPUs without bfloat16), whose range is far smaller: check again."""
+    if patcher is None or cfg.compute_dtype is not None:
+        return
+    model = patcher.model
+    dtype = getattr(model, "manual_cast_dtype", None) or model.get_dtype()
+    if dtype != torch.float16:
+        return
+    for info in report.layers:
+        qt = sd.get(info.weight_key)
+        if isinstance(qt, QuantizedTensor) and info.scale_key is not None:
+            try:
+                formats.check_scale_range(report.path, info.scale_key, qt.scale, info.fp8_dtype, dtype)
+            except formats.FormatError as exc:
+                raise ValueError(f"{where}: {exc} (ComfyUI computes this model in float16; pick compute_dtype "
+                                 "bfloat16 or float32)") from exc
+
+
 def _adopt(patcher, header: formats.SafetensorsHeader) -> None:
     """What every model this pack loads carries: its file's dtypes, and the workspace release on unload."""
     if patcher is None:
@@ -124,10 +155,20 @@ def _adopt(patcher, header: formats.SafetensorsHeader) -> None:
     release_workspace_on_unload(patcher)
 
 
-def _summary(report: formats.FormatReport, cfg: ComputeConfig) -> dict:
+def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict:
     s = report.summary()
     s["layers_total"] = report.linear_weights
     s["compute_path"] = _path_label(cfg)
+    layers = getattr(ops, "int8_layers", None)
+    if layers:
+        # per-layer SQNR of the int8 conversion against the file's weights
+        s["int8_sqnr_db"] = {name: round(db, 2) for name, db in layers}
+        worst = min(layers, key=lambda item: item[1])
+        mean = sum(db for _, db in layers) / len(layers)
+        s["int8"] = {"layers": len(layers), "mean_sqnr_db": round(mean, 2), "min_sqnr_db": round(worst[1], 2),
+                     "worst_layer": worst[0]}
+    if "nvfp4" in report.granularities and "weight-only" not in s["compute_path"]:
+        s["compute_path"] += "; nvfp4 layers weight-only"  # the fp4 x fp4 matmul is not used
     return s
 
 
@@ -157,14 +198,16 @@ class LoadFP8DiffusionModel(io.ComfyNode):
     def execute(cls, unet_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype)
         header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
-        options = {"custom_operations": _ops(cfg, patch_rounding)}
+        ops = _ops(cfg, patch_rounding)
+        options = {"custom_operations": ops}
         if cfg.compute_dtype is not None:
             options["dtype"] = cfg.compute_dtype
         model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, metadata=metadata)
         if model is None:
             raise ValueError(f"diffusion_models/{unet_name}: ComfyUI could not detect the model type of this file")
+        _check_compute_range(model, sd, report, cfg, f"diffusion_models/{unet_name}")
         _adopt(model, header)
-        return io.NodeOutput(model, ui={"fp8_summary": [_summary(report, cfg)]})
+        return io.NodeOutput(model, ui={"fp8_summary": [_summary(report, cfg, ops)]})
 
 
 VAE_PREFIXES = ("first_stage_model.", "vae.")
@@ -201,10 +244,11 @@ class LoadFP8Checkpoint(io.ComfyNode):
             model_options={"custom_operations": ops}, te_model_options={"custom_operations": ops}, metadata=metadata)
         if out is None:
             raise ValueError(f"checkpoints/{ckpt_name}: ComfyUI could not detect the model type of this file")
+        _check_compute_range(out[0], sd, report, cfg, f"checkpoints/{ckpt_name}")
         _adopt(out[0], header)
         if out[1] is not None:
             release_workspace_on_unload(out[1].patcher)
-        return io.NodeOutput(out[0], out[1], out[2], ui={"fp8_summary": [_summary(report, cfg)]})
+        return io.NodeOutput(out[0], out[1], out[2], ui={"fp8_summary": [_summary(report, cfg, ops)]})
 
 
 def _clip_types() -> list[str]:
@@ -235,11 +279,12 @@ class LoadFP8TextEncoder(io.ComfyNode):
         cfg = _config(compute_path, activation_scaling, compute_dtype)
         header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
         clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
+        ops = _ops(cfg, patch_rounding)
         clip = comfy.sd.load_text_encoder_state_dicts(
             [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
-            model_options={"custom_operations": _ops(cfg, patch_rounding)})
+            model_options={"custom_operations": ops})
         release_workspace_on_unload(clip.patcher)
-        return io.NodeOutput(clip, ui={"fp8_summary": [_summary(report, cfg)]})
+        return io.NodeOutput(clip, ui={"fp8_summary": [_summary(report, cfg, ops)]})
 
 
 def _sqnr_plot(report) -> torch.Tensor:
@@ -307,7 +352,13 @@ class QuantizeModelToFP8(io.ComfyNode):
                 io.Model.Input("model", tooltip="The diffusion model to quantize."),
                 io.Combo.Input("granularity", options=list(GRANULARITIES), default="tensor",
                                tooltip="One scale per tensor (stock ComfyUI can read it when saved), per row "
-                               "(output channel), or per 128x128 block."),
+                               "(output channel), per 128x128 block; mxfp8: e4m3fn (only) with a power-of-two scale per "
+                               "32 inputs (ComfyUI 0.29's form); nvfp4: 4-bit e2m1 values with an e4m3 scale per "
+                               "16 inputs (ComfyUI's NVFP4 form, about half of FP8's size; fp8_dtype is ignored). "
+                               "'int8 tensor' / 'int8 row convrot': int8 "
+                               "weights (fp8_dtype is ignored) in ComfyUI 0.33's int8_tensorwise form, one scale per "
+                               "tensor, or per channel with its 256-wide ConvRot rotation (better quality); they run "
+                               "the int8 path where it is fast (or when the loader forces it)."),
                 io.Combo.Input("fp8_dtype", options=["e4m3fn", "e5m2"], default="e4m3fn",
                                tooltip="e4m3fn: more precision (the usual choice); e5m2: more range."),
                 io.String.Input("keep_patterns", default=", ".join(DEFAULT_KEEP), multiline=True,
@@ -386,7 +437,11 @@ class SaveFP8Model(io.ComfyNode):
         # are published in, so it stands in for a source dtype this pack never saw.
         unknown = torch.bfloat16 if comfy.model_management.get_torch_device().type == "cpu" else None
         dtypes, dtype_note = save.plain_dtypes(sd, SAVE_DTYPES[weight_dtype], source, unknown)
-        result = save.save_state_dict(sd, path, progress=_progress_fn(), dtypes=dtypes)
+        try:
+            result = save.save_state_dict(sd, path, progress=_progress_fn(), dtypes=dtypes)
+        except OSError as exc:  # say which node failed (SaveError names the file and what was kept)
+            detail = exc.strerror if isinstance(exc, save.SaveError) and exc.strerror else f"{path}: {exc}"
+            raise save.SaveError(exc.errno or errno.EIO, f"Save FP8 Model: {detail}") from exc
         report = formats.inspect_file(result.path)
         where = os.path.relpath(result.path, out_dir)
         msg = (f"saved output/{where}\n{result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} FP8 layers; "
@@ -394,6 +449,8 @@ class SaveFP8Model(io.ComfyNode):
                + ("Stock ComfyUI's Load Diffusion Model reads it unchanged." if result.stock_comfy_readable else
                   "Its MXFP8 layers are in ComfyUI 0.29's own form: stock ComfyUI 0.29 and newer read them; "
                   "ComfyUI 0.3.75 cannot (for it, quantize per tensor)." if "mxfp8" in result.granularities else
+                  "Its int8 layers are in ComfyUI 0.33's int8_tensorwise form: stock ComfyUI 0.33 and newer read "
+                  "them; older versions need this pack's loader." if "int8" in result.granularities else
                   "Stock ComfyUI cannot read its row/block-wise scales: load it with Load FP8 Diffusion Model."))
         summary = report.summary()
         summary["layers_total"] = report.linear_weights

@@ -24,7 +24,8 @@ import torch
 
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
-from ..quant import mxfp8
+from ..quant import int8 as quant_int8
+from ..quant import mxfp8, nvfp4
 from ..quant.layouts import release_workspace
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,15 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
     weights that come without one; `stochastic_rounding` applies to requantization after patches."""
     cfg = config or ComputeConfig()
     sr = bool(stochastic_rounding)
+    # the int8 path converts FP8 weights once, here, for the device the model will run on
+    to_int8 = cfg.path == "int8" or (cfg.path == "auto" and
+                                     quant_int8.int8_supported(comfy.model_management.get_torch_device()))
 
     class FP8Ops(base):
         fp8_config = cfg
         fp8_stochastic_rounding = sr
+        int8_convert = to_int8
+        int8_layers: list = []  # (layer, conversion SQNR dB) of this load, for the load report
 
         class Linear(base.Linear):
             def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
@@ -84,8 +90,14 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                     if isinstance(w, QuantizedTensor):
                         # 0.29 stores MXFP8 layers padded to multiples of 32; the model's size is the true one
                         w = mxfp8.at_shape(w, (self.out_features, self.in_features))
+                        w = nvfp4.at_shape(w, (self.out_features, self.in_features))  # NVFP4 files pad to 16
                         if w.config is None:
                             w = w.with_config(FP8Ops.fp8_config)
+                        if (FP8Ops.int8_convert and w.config.path != "weight_only" and w.qdata.dim() == 2
+                                and not quant_int8.is_int8(w)):
+                            w8 = quant_int8.to_int8(w, None if w.config.int8_rotation else 0)
+                            FP8Ops.int8_layers.append((prefix.rstrip("."), quant_int8.conversion_sqnr_db(w, w8)))
+                            w = w8
                         if self.factory_device is not None:
                             w = move_quantized(w, self.factory_device)
                     else:

@@ -10,7 +10,7 @@ from .layouts import QuantizationError
 
 __all__ = ["ComputeConfig", "PATHS", "ACTIVATION_SCALINGS"]
 
-PATHS = ("auto", "fp8", "weight_only")
+PATHS = ("auto", "fp8", "weight_only", "int8")
 ACTIVATION_SCALINGS = ("auto", "static", "dynamic_tensor", "dynamic_row")
 
 
@@ -23,6 +23,10 @@ class ComputeConfig:
         "fp8"         always try fp8 x fp8 via scaled_mm (also on the CPU, for testing); a failure
                       logs once and falls back to weight-only
         "weight_only" dequantize the weight into the compute dtype and run a plain matmul
+        "int8"        int8 x int8 with per-token activation scales (``int8.py``): weights converted
+                      to int8 per output channel once (at load, or on first use, cached on the weight)
+        ("auto" also picks int8 for int8 weights, and loaders convert to them, where the device has
+        fast INT8 but no FP8 units: CUDA capability 7.5-8.8, CPUs with VNNI/AMX; see int8.int8_supported)
     activation_scaling:
         "auto"           the fastest scaling whose accuracy is at least dynamic per tensor's:
                          dynamic per row (one fused pass, no reduction over the whole tensor)
@@ -31,11 +35,15 @@ class ComputeConfig:
         "dynamic_row"    one scale per activation row (token)
     compute_dtype:
         dtype of the weight-only matmul and of the output; None = the activation's dtype
+    int8_rotation:
+        weights converted for the int8 path get a 128-wide block Hadamard rotation of K where K is
+        a multiple of 128 (spreads activation outliers before the per-token rounding); False = none
     """
 
     path: str = "auto"
     activation_scaling: str = "auto"
     compute_dtype: torch.dtype | None = None
+    int8_rotation: bool = True
 
     def __post_init__(self):
         if self.path not in PATHS:

@@ -1,6 +1,6 @@
 """Command-line FP8 converter and format inspector.
 
-    python -m fp8_engram.quant.convert IN OUT [--granularity tensor|row|block] [--block 128x128]
+    python -m fp8_engram.quant.convert IN OUT [--granularity tensor|row|block|'int8 tensor'|'int8 row convrot'] [--block 128x128]
                                        [--dtype e4m3fn|e5m2] [--keep PATTERN ...] [--no-default-keep]
                                        [--stochastic-rounding SEED] [--overwrite]
     python -m fp8_engram.quant.convert --info FILE [--layers]
@@ -22,7 +22,7 @@ import sys
 import torch
 
 from . import formats, save
-from .quantize_model import DEFAULT_KEEP, GRANULARITIES, fp8_dtype_from_name, keep_reason, make_layout, sqnr_db
+from .quantize_model import DEFAULT_KEEP, GRANULARITIES, fit_layout, fp8_dtype_from_name, keep_reason, make_layout, sqnr_db
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def convert_file(src, dst, *, granularity: str = "tensor", fp8_dtype="e4m3fn", k
     keep = tuple(keep)
     if not overwrite and os.path.exists(dst):
         raise FileExistsError(f"{dst}: file exists; pass --overwrite or choose another name")
-    sd, report = formats.load_file(src)
+    sd, report = formats.load_file(src, mmap=True)  # a script: the file stays put, and big models need not fit in RAM
     sqnr: dict[str, float] = {}
     plan: dict = {}
     for key, t in sd.items():
@@ -64,16 +64,19 @@ def convert_file(src, dst, *, granularity: str = "tensor", fp8_dtype="e4m3fn", k
                 plan[key] = t
                 continue
 
-            def make(key=key, t=t, name=name):
+            lay, data_dtype = fit_layout(layout or make_layout(granularity, block, t.shape), tuple(t.shape), fp8)  # int8 layouts store int8
+
+            def make(key=key, t=t, name=name, lay=lay, data_dtype=data_dtype):
                 src_w = t.dequantize(torch.float32) if save.is_quantized(t) else t
-                qt = QuantizedTensor.from_float(src_w, layout, fp8_dtype=fp8, stochastic_rounding=stochastic_rounding)
+                qt = QuantizedTensor.from_float(src_w, lay, fp8_dtype=data_dtype, stochastic_rounding=stochastic_rounding)
                 orig = t.orig_dtype if save.is_quantized(t) else t.dtype
                 qt = QuantizedTensor.from_parts(qt.qdata, qt.scale, qt.layout, orig_dtype=orig,
                                                 input_scale=getattr(t, "input_scale", None))
                 sqnr[name] = sqnr_db(src_w, qt.dequantize(torch.float32))
                 return qt
 
-            plan[key] = save.PendingQuantized(tuple(t.shape), fp8, layout, getattr(t, "input_scale", None) is not None, make)
+            plan[key] = save.PendingQuantized(tuple(t.shape), data_dtype, lay, getattr(t, "input_scale", None) is not None,
+                                              make)
         else:
             plan[key] = t
     meta = {"fp8_engram_source": os.path.basename(os.fspath(src)), "fp8_engram_source_format": report.format}
@@ -92,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--info", metavar="FILE", help="print the format summary of FILE and exit")
     p.add_argument("--layers", action="store_true", help="with --info: list every quantized layer")
     p.add_argument("--granularity", choices=GRANULARITIES, default="tensor",
-                   help="scale granularity (tensor: stock ComfyUI reads it; row/block: better quality, this pack only)")
+                   help="scale granularity (tensor: stock ComfyUI reads it; row/block: better quality, this pack only; "
+                   "mxfp8 / nvfp4: ComfyUI's own forms (0.29 and newer), e4m3fn data / 4-bit e2m1 data; "
+                   "'int8 tensor' / 'int8 row convrot': int8 weights in ComfyUI 0.33's int8_tensorwise form)")
     p.add_argument("--block", type=parse_block, default=(128, 128), help="block size for --granularity block (ROWSxCOLS)")
     p.add_argument("--dtype", choices=("e4m3fn", "e5m2"), default="e4m3fn", help="FP8 element type")
     p.add_argument("--keep", nargs="*", default=[], metavar="PATTERN",

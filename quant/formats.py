@@ -5,9 +5,11 @@ Contract:
 - `detect_format(path)` works out, per quantized layer, which format wrote it and which layout its
   scale describes; it reads only the small tensors (scales, markers, `.comfy_quant` JSON).
 - `load_file(path)` returns `(state_dict, FormatReport)`: every quantized linear weight becomes a
-  `QuantizedTensor` built with `QuantizedTensor.from_parts` over the memory-mapped FP8 bytes (no
-  full-precision copy is made; pages are read when first touched), scale/marker keys are consumed,
-  and every other tensor passes through in its stored dtype.
+  `QuantizedTensor` built with `QuantizedTensor.from_parts` over the file's FP8 bytes (no
+  full-precision copy is made), scale/marker keys are consumed, and every other tensor passes through
+  in its stored dtype. Tensors are read into the process's own memory with plain file reads, never
+  left mapped to the file, so a file replaced or truncated while its model is in use cannot crash
+  the process (`mmap=True` maps them instead, for scripts that know the file stays put).
 
 Formats (see DESIGN.md):
 
@@ -21,9 +23,13 @@ Formats (see DESIGN.md):
 | `weight_scale`         | `.weight_scale` (+ `.input_scale`) without ComfyUI metadata: modelopt, |
 |                        | diffusers, compressed-tensors                                          |
 | `blockwise_scale_inv`  | `.weight_scale_inv` per block (DeepSeek style, 128x128)                |
+| (per layer) nvfp4      | `.comfy_quant` `{"format": "nvfp4"}`: packed e2m1 `.weight` (uint8),   |
+|                        | e4m3 `.weight_scale` (tiled), `.weight_scale_2` (quant/nvfp4.py)       |
 
-Every scale multiplies: `w = fp8 * expand(scale)`. Anything unknown or inconsistent raises
-`FormatError`, whose message names the file, the key and what was expected.
+Every scale multiplies: `w = fp8 * expand(scale)`. Block scales are read only with the block sizes of
+`KNOWN_BLOCKS` or the one the file declares, and scales that would overflow the compute dtype are
+refused. Anything unknown or inconsistent raises `FormatError`, whose message names the file, the key
+and what was expected.
 """
 
 from __future__ import annotations
@@ -137,25 +143,59 @@ class SafetensorsHeader:
     file_size: int
 
 
-def read_header(path) -> SafetensorsHeader:
-    """Parse and check a safetensors header: every tensor's dtype, shape and byte range must agree."""
+def _read_header_bytes(path: str, f) -> tuple[int, int, bytes]:
+    """(file size, header length, header bytes) of an open file, with the checks that need no parsing."""
+    file_size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    head = f.read(8)
+    if len(head) < 8:
+        raise _err(path, None, f"file is {file_size} bytes long, too short to be safetensors",
+                   "an 8-byte header length followed by a JSON header")
+    (n,) = struct.unpack("<Q", head)
+    if n > file_size - 8:
+        raise _err(path, None, _not_a_header(path, head, n, file_size),
+                   f"a header length of at most {min(MAX_HEADER_BYTES, file_size - 8)}")
+    if n > MAX_HEADER_BYTES:
+        raise _err(path, None, f"the JSON header is {n:,} bytes long, more than this reader accepts",
+                   f"at most {MAX_HEADER_BYTES:,} bytes (real checkpoints use well under 1 MB)")
+    raw = f.read(n)
+    if len(raw) < n:
+        raise _err(path, None, f"the file ended inside its {n:,}-byte header (it shrank while being read)",
+                   "a complete safetensors file")
+    return file_size, n, raw
+
+
+def _not_a_header(path: str, head: bytes, n: int, file_size: int) -> str:
+    """Why a header length field that points past the end of the file is wrong, in words a user can act on."""
+    link = ""
+    if os.path.islink(path):
+        link = f" (a link to {os.path.realpath(path)})"
+    if head.startswith(b"PK\x03\x04"):
+        kind = "a zip archive (a PyTorch .ckpt/.pt pickle?), not safetensors"
+    elif head.startswith((b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")):
+        kind = "a Python pickle (.ckpt/.pt), not safetensors"
+    elif head.startswith(b"GGUF"):
+        kind = "a GGUF file, not safetensors"
+    elif all(32 <= c < 127 or c in (9, 10, 13) for c in head):
+        kind = f"text (it begins {head.decode('ascii')!r}), not a safetensors file"
+    else:
+        return (f"header length field says {n} bytes but the file{link} has {file_size - 8} bytes after it "
+                "(truncated file, or not a safetensors file)")
+    return f"the file{link} is {kind}"
+
+
+def read_header(path, *, file=None) -> SafetensorsHeader:
+    """Parse and check a safetensors header: every tensor's dtype, shape and byte range must agree.
+
+    `file`: the file already open (binary, seekable); its header is read from it, so that the tensors
+    read later through the same file belong to this header even if the name is replaced meanwhile."""
     path = os.fspath(path)
     try:
-        file_size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _err(path, None, f"file is {file_size} bytes long, too short to be safetensors",
-                           "an 8-byte header length followed by a JSON header")
-            (n,) = struct.unpack("<Q", head)
-            if n > file_size - 8:
-                raise _err(path, None, f"header length field says {n} bytes but the file has {file_size - 8} "
-                           "bytes after it (truncated file, or not a safetensors file)",
-                           f"a header length of at most {min(MAX_HEADER_BYTES, file_size - 8)}")
-            if n > MAX_HEADER_BYTES:
-                raise _err(path, None, f"the JSON header is {n:,} bytes long, more than this reader accepts",
-                           f"at most {MAX_HEADER_BYTES:,} bytes (real checkpoints use well under 1 MB)")
-            raw = f.read(n)
+        if file is None:
+            with open(path, "rb") as f:
+                file_size, n, raw = _read_header_bytes(path, f)
+        else:
+            file_size, n, raw = _read_header_bytes(path, file)
     except OSError as exc:
         raise FormatError(f"{path}: cannot read the file ({exc})") from exc
     header = _loads(path, None, raw, "a safetensors JSON header")
@@ -231,8 +271,63 @@ def _loads(path, key, raw, expected: str):
         raise _err(path, key, f"unreadable JSON ({str(exc)[:200]})", expected) from None
 
 
-class _LazyReader:
-    """Opens the file with safetensors (memory-mapped) on first use; wraps its errors with the path."""
+class _FileReader:
+    """Reads tensors with ordinary file reads into memory this process owns.
+
+    Nothing stays mapped to the file: a model file that is replaced, rewritten or truncated while the
+    model is in use (a download tool rewriting it in place) cannot take the process down with SIGBUS
+    on a mapped page, as a memory-mapped tensor would at its next use. Everything is read through one
+    open file, the one the header was read from; `close()` when done."""
+
+    def __init__(self, path: str, device: str = "cpu", header: SafetensorsHeader | None = None):
+        self.path = path
+        self.device = device
+        self.header = header
+        self._file = None
+
+    def open(self):
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb", buffering=0)
+            except OSError as exc:
+                raise FormatError(f"{self.path}: cannot read the file ({exc})") from exc
+        return self._file
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def get(self, key: str) -> torch.Tensor:
+        if self.header is None:
+            self.header = read_header(self.path, file=self.open())
+        entry = self.header.tensors[key]
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        if entry.nbytes:
+            f = self.open()
+            view = memoryview(buf.numpy()).cast("B")
+            pos, done = self.header.data_start + entry.start, 0
+            try:
+                f.seek(pos)
+                while done < entry.nbytes:
+                    n = f.readinto(view[done:])  # one read returns at most ~2 GiB on Linux
+                    if not n:
+                        raise _err(self.path, key, f"the file ended at byte {pos + done:,} while reading this tensor "
+                                   "(it was truncated or rewritten while loading)",
+                                   f"a file of at least {self.header.data_start + entry.end:,} bytes")
+                    done += n
+            except OSError as exc:
+                raise _err(self.path, key, f"reading this tensor failed ({exc})") from exc
+        t = buf.view(entry.dtype).reshape(entry.shape)
+        return t if self.device == "cpu" else t.to(self.device)
+
+
+class _MappedReader:
+    """Opens the file with safetensors (memory-mapped) on first use; wraps its errors with the path.
+
+    Tensors stay mapped to the file: pages are read when first touched and the kernel may drop them
+    again, so this suits a file that nobody changes while it is open (a conversion script), not a
+    server that keeps a model for hours."""
 
     def __init__(self, path: str, device: str = "cpu"):
         self.path = path
@@ -251,6 +346,9 @@ class _LazyReader:
         except Exception as exc:  # safetensors raises its own error types
             raise _err(self.path, key, f"safetensors could not read this tensor ({exc})",
                        "a complete, valid safetensors file") from exc
+
+    def close(self) -> None:
+        self._handle = None  # the mapping lives as long as the tensors made from it
 
 
 # --------------------------------------------------------------------------------------------------
@@ -271,6 +369,8 @@ class LayerInfo:
     input_scale_key: str | None = None
     full_precision_mm: bool = False  # the file says: do not run fp8 x fp8 on this layer
     consumed: tuple[str, ...] = ()  # keys (besides weight/scale/input scale) that belong to this layer
+    layout: object = None  # the layout itself where the granularity does not say it (ComfyUI int8 formats)
+    decode: object = None  # stored weight -> the layout's data (ComfyUI's packed 4-bit formats)
 
     def describe(self) -> str:
         lay = self.granularity if self.block is None else f"block {self.block[0]}x{self.block[1]}"
@@ -345,9 +445,38 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Block shapes (rows x cols of an [out, in] weight) that published formats use, and how each format fits
+# its blocks to a weight: "ceil" lets the last block of a row or column be partial ([ceil(out/r),
+# ceil(in/c)] scales), "exact" needs the block to divide the weight. A scale grid is read as block-wise
+# only with one of these, or with the block size the file itself declares (quantization_config
+# `weight_block_size`, `.comfy_quant` `block_size`; the pack's own row/block files do). Any other grid is
+# refused rather than guessed: a shape alone fits many wrong blocks ([3, 7] on [128, 128] "fits" 43x19).
+# A new format with its own block adds its line here.
+KNOWN_BLOCKS: dict[tuple[int, int], tuple[str, str]] = {
+    (128, 128): ("ceil", "DeepSeek-style .weight_scale_inv, compressed-tensors block"),
+    (1, 16): ("exact", "NVFP4 groups, musubi-tuner"),
+    (1, 32): ("ceil", "MXFP8, musubi-tuner"),
+    (1, 64): ("exact", "musubi-tuner fp8_scaled (its default)"),
+    (1, 128): ("exact", "musubi-tuner, compressed-tensors group"),
+    (1, 256): ("exact", "musubi-tuner"),
+    (1, 512): ("exact", "musubi-tuner"),
+    (1, 1024): ("exact", "musubi-tuner"),
+}
+
+
+def block_grid(weight_shape, block: tuple[int, int], edges: str = "ceil") -> tuple[int, int] | None:
+    """The scale grid of `block` over an [out, in] weight, or None where `edges` "exact" does not divide it."""
+    (out, inp), (r, c) = weight_shape, block
+    if edges == "exact" and (out % r or inp % c):
+        return None
+    return _ceil_div(out, r), _ceil_div(inp, c)
+
+
 def infer_layout(path, scale_key: str, weight_shape, scale_shape, source: str,
                  block_hint: tuple[int, int] | None = None) -> tuple[str, tuple[int, int] | None, tuple[int, ...]]:
-    """Map a scale shape to (granularity, block, normalized scale shape) for a weight [out, in]."""
+    """Map a scale shape to (granularity, block, normalized scale shape) for a weight [out, in].
+
+    Block-wise only with a block of KNOWN_BLOCKS or `block_hint` (the block size the file declares)."""
     out, inp = weight_shape
     sshape = tuple(scale_shape)
     numel = math.prod(sshape)
@@ -355,25 +484,31 @@ def infer_layout(path, scale_key: str, weight_shape, scale_shape, source: str,
         return "tensor", None, ()
     if sshape in ((out,), (out, 1)):
         return "row", None, (out, 1)
-    if len(sshape) == 3 and sshape[0] == out and sshape[2] == 1:  # musubi block-wise along the input dim
+    declared = {tuple(block_hint): "ceil"} if block_hint is not None else {}
+    # the declared block first: where two blocks give the same grid, the file's word decides
+    accepted = {**declared, **{b: edges for b, (edges, _) in KNOWN_BLOCKS.items() if b not in declared}}
+    grid = None
+    if len(sshape) == 3 and sshape[0] == out and sshape[2] == 1 and sshape[1] > 0:
+        # musubi-tuner: [out, n_blocks, 1], blocks of 1 x (in / n_blocks) along the input dim
         nb = sshape[1]
-        if nb > 0 and inp % nb == 0:
+        if inp % nb == 0 and (1, inp // nb) in accepted:
             return "block", (1, inp // nb), (out, nb)
-    if len(sshape) == 2 and all(s > 0 for s in sshape):
-        a, b = sshape
-        candidates = []
-        if block_hint is not None:
-            candidates.append(tuple(block_hint))
-        candidates.append((128, 128))
-        candidates.append((_ceil_div(out, a), _ceil_div(inp, b)))
-        if a == out:
-            candidates.append((1, _ceil_div(inp, b)))
-        for r, c in candidates:
-            if r > 0 and c > 0 and _ceil_div(out, r) == a and _ceil_div(inp, c) == b:
-                return "block", (r, c), (a, b)
-    raise _err(path, scale_key, f"scale shape {list(sshape)} fits no layout for weight shape [{out}, {inp}]",
-               f"[] or [1] (per tensor), [{out}] or [{out}, 1] (per row), [{out}, n, 1] with {inp} % n == 0 "
-               "(musubi blocks), or [ceil(out/r), ceil(in/c)] (blocks)")
+        grid = (out, nb)
+    elif len(sshape) == 2 and all(s > 0 for s in sshape):
+        for block, edges in accepted.items():
+            if block_grid(weight_shape, block, edges) == sshape:
+                return "block", block, sshape
+        grid = sshape
+    why = ""
+    if grid is not None:
+        r, c = (f"{w // g}" if w % g == 0 else f"about {_ceil_div(w, g)}" for w, g in zip((out, inp), grid))
+        why = f" (as blocks they would be {r} x {c}, a size no published format uses and the file does not declare)"
+    known = ", ".join(f"{r}x{c}" for r, c in KNOWN_BLOCKS)
+    raise _err(path, scale_key, f"scale shape {list(sshape)} fits no layout for weight shape [{out}, {inp}]{why}",
+               f"[] or [1] (per tensor), [{out}] or [{out}, 1] (per row), or block scales "
+               f"[ceil(out/r), ceil(in/c)] ([{out}, n, 1] for musubi) with a block r x c of {known}"
+               + (f" or the declared {block_hint[0]}x{block_hint[1]}" if block_hint is not None else
+                  ", or one the file declares in quantization_config weight_block_size"))
 
 
 def _check_scale_values(path, key: str, t: torch.Tensor) -> torch.Tensor:
@@ -392,6 +527,23 @@ def _check_scale_values(path, key: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_scale_range(path, key: str, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                      compute_dtype: torch.dtype | None = None) -> None:
+    """Refuse a weight scale whose product with the largest `fp8_dtype` value overflows `compute_dtype`
+    (None: float32; bfloat16 has the same range): dequantized, that layer would hold inf and every
+    output after it NaN. Real scales are near the weights' absolute maximum / the FP8 maximum."""
+    dtype = compute_dtype or torch.float32
+    limit = float(torch.finfo(dtype).max)
+    fmax = float(torch.finfo(fp8_dtype).max)
+    top = float(scale.detach().abs().max()) if scale.numel() else 0.0
+    if top * fmax > limit:
+        raise _err(path, key, f"scale {top:.4g} times {_fp8_name(fp8_dtype)}'s largest value {fmax:g} is "
+                   f"{top * fmax:.4g}, beyond {_fp8_name(dtype)}'s range ({limit:.4g}): the weights would "
+                   "dequantize to inf and every output to NaN",
+                   f"scales of at most {limit / fmax:.4g} for {_fp8_name(dtype)} (a weight's absolute maximum "
+                   f"divided by {fmax:g})")
+
+
 def _parse_json_metadata(path, key: str, text: str, what: str):
     if len(text) > MAX_METADATA_JSON_BYTES:
         raise _err(path, key, f"metadata value is {len(text):,} characters long",
@@ -408,17 +560,31 @@ def _fp8_name(dtype: torch.dtype) -> str:
 
 
 def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = None,
-                  header: SafetensorsHeader | None = None, reader: _LazyReader | None = None) -> DetectedFormat:
-    """Work out the format of every quantized layer of a safetensors file (reads small tensors only)."""
+                  header: SafetensorsHeader | None = None, reader=None,
+                  compute_dtype: torch.dtype | None = None) -> DetectedFormat:
+    """Work out the format of every quantized layer of a safetensors file (reads small tensors only).
+
+    `compute_dtype`: the dtype the weights will be dequantized into; a scale whose product with the
+    largest FP8 value overflows it is refused (None: float32, whose range bfloat16 shares)."""
     path = os.fspath(path)
-    hdr = header or read_header(path)
-    rd = reader or _LazyReader(path, device)
+    if reader is not None:
+        return _detect(path, device, orig_dtype, header or read_header(path), reader, compute_dtype)
+    rd = _FileReader(path, device)
+    try:
+        rd.header = header or read_header(path, file=rd.open())
+        return _detect(path, device, orig_dtype, rd.header, rd, compute_dtype)
+    finally:
+        rd.close()
+
+
+def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, compute_dtype) -> DetectedFormat:
     T = hdr.tensors
     consumed: set[str] = set()
 
+    nv_layers = _detect_nvfp4(path, hdr, rd)  # ComfyUI's NVFP4 layers (their own keys and checks)
     for key in T:
         for suf in _UNSUPPORTED_SUFFIXES:
-            if key.endswith(suf):
+            if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
                 raise _err(path, key, f"this file uses a quantization scheme this pack does not read ('{suf}' keys, "
                            "e.g. int4/nvfp4/zero points)", "an FP8 checkpoint (float8 weights with float scales)")
 
@@ -452,6 +618,8 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
             if not isinstance(entry, dict):
                 raise _err(path, f"{mk}.layers.{name}", f"layer entry is {type(entry).__name__} {entry!r}, not an object",
                            '{"format": "float8_e4m3fn"} (the plain-string form crashes ComfyUI 0.3.75)')
+            if entry.get("format") == "nvfp4" and name + ".weight" in nv_layers:
+                continue  # read above, with its own checks
             if not isinstance(entry.get("format"), str) or entry.get("format") not in COMFY_FORMATS:
                 raise _err(path, f"{mk}.layers.{name}", f"unsupported layer format {_short(entry.get('format'))}",
                            "'float8_e4m3fn', 'float8_e5m2' or 'mxfp8'")
@@ -482,11 +650,13 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
                     raise _err(path, key, f"'{suf}' entry without a weight", f"a tensor '{wk}'")
                 break
 
-    layers: dict[str, LayerInfo] = {}
-    scales: dict[str, torch.Tensor] = {}
+    layers: dict[str, LayerInfo] = {wk: info for wk, (info, _) in nv_layers.items()}
+    scales: dict[str, torch.Tensor] = {wk: scale for wk, (_, scale) in nv_layers.items()}
     input_scales: dict[str, torch.Tensor] = {}
+    for info in layers.values():
+        consumed.update((info.scale_key,) + info.consumed)
 
-    for wk in sorted(weight_keys):
+    for wk in sorted(weight_keys - set(nv_layers)):
         e = T[wk]
         name = _layer_name(wk)
         present = [s for s in _SCALE_SUFFIXES if name + s in T]
@@ -496,6 +666,10 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
         is_fp8 = e.dtype in FP8_DTYPES
         if not (present or has_cq or in_meta):
             continue  # plain tensors and plain casts are decided below
+        if has_cq and e.dtype == torch.int8:  # ComfyUI 0.33's int8 formats: quant/comfy_int8.py
+            layers[wk], scales[wk] = _comfy_int8_layer(path, name, T, rd)
+            consumed.update((layers[wk].scale_key,) + layers[wk].consumed)
+            continue
         if len(present) > 1:
             raise _err(path, name + present[1], f"layer has several scale keys {present}",
                        "exactly one of .scale_weight, .weight_scale, .weight_scale_inv")
@@ -577,6 +751,7 @@ def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None =
             if source == COMFY_SCALED and gran != "tensor":
                 source = MUSUBI  # a marker with non-scalar scales: musubi writes those
             scale = _check_scale_values(path, scale_key, rd.get(scale_key)).reshape(norm_shape)
+        check_scale_range(path, scale_key, scale, e.dtype, compute_dtype)
         in_key = None
         for s in _INPUT_SCALE_SUFFIXES:
             if name + s in T:
@@ -644,16 +819,26 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
             continue
         if k.endswith(".weight") and len(e.shape) == 2:
             linear += 1
-        if e.dtype in FLOAT_DTYPES or e.dtype in FP8_DTYPES:
+        if k in layers and layers[k].granularity == "nvfp4":
+            bf16 += e.numel * 4  # two 4-bit values per byte
+        elif e.dtype in FLOAT_DTYPES or e.dtype in FP8_DTYPES:
             bf16 += e.numel * 2
+        elif k in layers:  # an int8 (or packed 4-bit) weight: its logical size in bf16
+            bf16 += math.prod(layers[k].shape) * 2
         else:
             bf16 += e.nbytes
     stock = all(i.granularity == "tensor" and i.source in (PLAIN, COMFY_SCALED, COMFY_METADATA) and
                 (i.source != COMFY_METADATA or i.fp8_dtype == torch.float8_e4m3fn) for i in layers.values())
     notes = []
-    if any(i.granularity == "mxfp8" for i in layers.values()):
+    if any(i.granularity == "nvfp4" for i in layers.values()):
+        notes.append("nvfp4 layers (ComfyUI's own form): stock ComfyUI 0.29 and newer read them, older ones "
+                     "cannot; this pack runs them weight-only")
+    elif any(i.granularity == "mxfp8" for i in layers.values()):
         notes.append("mxfp8 layers (ComfyUI 0.29's own form): stock ComfyUI 0.29 and newer read them, 0.3.75 cannot "
                      "(for it, quantize per tensor)")
+    elif any(i.layout is not None for i in layers.values()):
+        notes.append("int8 layers in ComfyUI 0.33's own form (int8_tensorwise / convrot_w4a4 / asym_w4a8_int8): "
+                     "stock ComfyUI 0.33 reads them, 0.3.75 cannot")
     elif not stock:
         notes.append("stock ComfyUI 0.3.75 ignores the scales of this file's row/block/per-layer formats; load it with this pack")
     fp8_mm = not any(i.full_precision_mm for i in layers.values())
@@ -662,10 +847,67 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     return FormatReport(
         path=hdr.path, format=name, formats=formats, layers_quantized=len(layers), linear_weights=linear,
         bytes_on_disk=hdr.file_size, bytes_bf16=bf16,
-        fp8_dtypes=sorted({_fp8_name(i.fp8_dtype) for i in layers.values()}), granularities=grans,
+        fp8_dtypes=sorted({"e2m1" if i.granularity == "nvfp4" else _fp8_name(i.fp8_dtype) for i in layers.values()}),
+        granularities=grans,
         fp8_matmul_allowed=fp8_mm, layers=sorted(layers.values(), key=lambda i: i.name), notes=notes,
         stock_comfy_readable=stock,
     )
+
+
+def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader) -> dict:
+    """The layers of a file in ComfyUI's NVFP4 form (see quant/nvfp4.py): a `.comfy_quant` or an entry of
+    `_quantization_metadata` (which ComfyUI turns into `.comfy_quant`) says "nvfp4". Returns
+    {weight key: (LayerInfo, the QuantizedTensor's scale bytes)}; reads only scales and JSON."""
+    from .layouts import QuantizationError
+    from .nvfp4 import GROUP, scales_from_file
+
+    T = hdr.tensors
+    confs: dict[str, tuple[dict, str]] = {}  # layer -> (its JSON, format name)
+    qm_text = hdr.metadata.get(QUANT_METADATA_KEY, "")
+    if "nvfp4" in qm_text:
+        qm = _parse_json_metadata(path, f"__metadata__.{QUANT_METADATA_KEY}", qm_text, "quantization metadata JSON")
+        layers = qm.get("layers") if isinstance(qm, dict) else None
+        for name, entry in (layers.items() if isinstance(layers, dict) else ()):
+            if isinstance(entry, dict) and entry.get("format") == "nvfp4":
+                confs[name] = (entry, COMFY_METADATA)
+    for cq_key, ce in T.items():
+        if not cq_key.endswith(".comfy_quant") or ce.dtype != torch.uint8 or len(ce.shape) != 1 \
+                or ce.nbytes > MAX_COMFY_QUANT_BYTES:
+            continue  # anything malformed is reported by the general reader
+        raw = rd.get(cq_key).numpy().tobytes()
+        if b"nvfp4" not in raw:
+            continue
+        cq = _loads(path, cq_key, raw, 'uint8 bytes of a JSON object like {"format": "nvfp4"}')
+        if isinstance(cq, dict) and cq.get("format") == "nvfp4":
+            name = cq_key[: -len(".comfy_quant")]
+            confs[name] = (cq, COMFY_METADATA if name in confs else COMFY_PER_LAYER)
+
+    found = {}
+    for name, (cq, source) in sorted(confs.items()):
+        cq_key = name + ".comfy_quant"
+        wk, sk, s2k = name + ".weight", name + ".weight_scale", name + ".weight_scale_2"
+        for key in (wk, sk, s2k):
+            if key not in T:
+                raise _err(path, key, "missing tensor of an NVFP4 layer (the file says the layer is nvfp4)",
+                           f"'{wk}' (uint8 packed e2m1), '{sk}' (e4m3 block scales) and '{s2k}' (float32 scale)")
+        if name + ".pre_quant_scale" in T:
+            raise _err(path, name + ".pre_quant_scale", "NVFP4 layers with a pre-quantization input scale (AWQ "
+                       "smoothing) are not supported", "an NVFP4 layer without '.pre_quant_scale'")
+        e = T[wk]
+        if e.dtype != torch.uint8 or len(e.shape) != 2 or e.shape[0] % GROUP or (2 * e.shape[1]) % GROUP:
+            raise _err(path, wk, f"NVFP4 weight has dtype {_fp8_name(e.dtype)} and shape {list(e.shape)}",
+                       f"uint8 [R, C / 2] with R and C multiples of {GROUP}")
+        try:
+            _, scale = scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
+        except QuantizationError as exc:
+            raise _err(path, sk, f"bad NVFP4 scales ({exc})",
+                       "e4m3 block scales in cuBLAS's 128x4 tiled order and one finite float32 scale > 0") from exc
+        extra = [s2k] + [k for k in [cq_key] + [name + s for s in _INPUT_SCALE_SUFFIXES] if k in T]
+        shape = (int(e.shape[0]), int(e.shape[1]) * 2)
+        info = LayerInfo(name, source, "nvfp4", None, torch.uint8, shape, wk, sk, None,
+                         bool(cq.get("full_precision_matrix_mult", False)), tuple(extra))
+        found[wk] = (info, scale)
+    return found
 
 
 def inspect_file(path) -> FormatReport:
@@ -677,49 +919,96 @@ ProgressFn = Callable[[int, int], None]
 
 
 def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = None, config=None,
-              progress: ProgressFn | None = None, keys: Iterable[str] | None = None) -> tuple[dict, FormatReport]:
-    """Normalized state dict + report. Quantized weights are `QuantizedTensor`s over the mapped FP8 data.
+              progress: ProgressFn | None = None, keys: Iterable[str] | None = None,
+              mmap: bool = False) -> tuple[dict, FormatReport]:
+    """Normalized state dict + report. Quantized weights are `QuantizedTensor`s over the file's FP8 bytes.
 
-    `config` (a ComputeConfig or None) is attached to every quantized weight. `progress(done, total)` is
-    called per tensor; it may raise to cancel. `keys`, when given, limits the tensors returned.
+    Tensors are read into memory this process owns (`mmap=False`), so nothing depends on the file once
+    this returns: replacing or truncating it later cannot crash the process. `mmap=True` maps them
+    instead (read lazily, no private copy), for callers that know the file stays as it is.
+    `config` (a ComputeConfig or None) is attached to every quantized weight; a scale that would
+    overflow its compute dtype (float32's range when it has none) is refused. `progress(done, total)`
+    is called per tensor; it may raise to cancel. `keys`, when given, limits the tensors returned.
     """
     from .layouts import QuantizationError
     from .tensor import QuantizedTensor
 
     path = os.fspath(path)
-    hdr = read_header(path)
-    rd = _LazyReader(path, device)
-    det = detect_format(path, device=device, orig_dtype=orig_dtype, header=hdr, reader=rd)
-    wanted = list(hdr.tensors) if keys is None else [k for k in keys if k in hdr.tensors]
-    out: dict[str, torch.Tensor] = {}
-    total = len(wanted)
-    for i, key in enumerate(wanted):
-        if key in det.consumed:
-            pass
-        elif key in det.layers:
-            info = det.layers[key]
-            qdata = rd.get(key)
-            layout = make_layout(info)
-            try:
-                qt = QuantizedTensor.from_parts(qdata, det.scales[key].to(qdata.device), layout, orig_dtype=det.orig_dtype,
-                                                input_scale=det.input_scales.get(key), config=config)
-            except QuantizationError as exc:
-                raise _err(path, key, f"cannot build the quantized weight ({exc})") from exc
-            out[key] = qt
-        else:
-            out[key] = rd.get(key)
-        if progress is not None:
-            progress(i + 1, total)
+    compute_dtype = getattr(config, "compute_dtype", None)
+    if mmap:
+        hdr = read_header(path)
+        rd = _MappedReader(path, device)
+    else:
+        rd = _FileReader(path, device)
+        hdr = None
+    try:
+        if hdr is None:
+            hdr = rd.header = read_header(path, file=rd.open())
+        det = detect_format(path, device=device, orig_dtype=orig_dtype, header=hdr, reader=rd,
+                            compute_dtype=compute_dtype)
+        wanted = list(hdr.tensors) if keys is None else [k for k in keys if k in hdr.tensors]
+        out: dict[str, torch.Tensor] = {}
+        total = len(wanted)
+        for i, key in enumerate(wanted):
+            if key in det.consumed:
+                pass
+            elif key in det.layers:
+                info = det.layers[key]
+                qdata = rd.get(key)
+                if info.decode is not None:
+                    qdata = info.decode(qdata)
+                layout = make_layout(info)
+                try:
+                    qt = QuantizedTensor.from_parts(qdata, det.scales[key].to(qdata.device), layout,
+                                                    orig_dtype=det.orig_dtype, input_scale=det.input_scales.get(key),
+                                                    config=config)
+                except QuantizationError as exc:
+                    raise _err(path, key, f"cannot build the quantized weight ({exc})") from exc
+                out[key] = qt
+            else:
+                out[key] = rd.get(key)
+            if progress is not None:
+                progress(i + 1, total)
+    finally:
+        rd.close()
     return out, det.report
+
+
+def _comfy_int8_layer(path, name: str, T: dict, rd: "_LazyReader"):
+    """LayerInfo and scale of a layer in one of ComfyUI's int8 formats (int8_tensorwise, convrot_w4a4,
+    asym_w4a8_int8)."""
+    from .comfy_int8 import INT8_FORMATS, plan_layer
+
+    cq_key = name + ".comfy_quant"
+    ce = T[cq_key]
+    expected = 'uint8 bytes of a JSON object like {"format": "int8_tensorwise"}'
+    if ce.dtype != torch.uint8 or len(ce.shape) != 1 or ce.nbytes > MAX_COMFY_QUANT_BYTES:
+        raise _err(path, cq_key, f"comfy_quant tensor has dtype {_fp8_name(ce.dtype)} and shape {list(ce.shape)}",
+                   expected)
+    cq = _loads(path, cq_key, rd.get(cq_key).numpy().tobytes(), expected)
+    if not isinstance(cq, dict) or cq.get("format") not in INT8_FORMATS:
+        raise _err(path, cq_key, f"comfy_quant says {_short(cq)} for an int8 weight",
+                   "format " + ", ".join(repr(f) for f in INT8_FORMATS))
+    layout, shape, scale, scale_key, extra, decode = plan_layer(
+        lambda key, problem, want: _err(path, key, problem, want), name, cq, T, rd.get)
+    info = LayerInfo(name, COMFY_PER_LAYER, cq["format"], None, torch.int8, shape, name + ".weight", scale_key,
+                     None, bool(cq.get("full_precision_matrix_mult", False)), extra, layout, decode)
+    return info, scale
 
 
 def make_layout(info: LayerInfo):
     from .layouts import Block, PerRow, PerTensor
 
+    if info.layout is not None:
+        return info.layout
     if info.granularity == "mxfp8":
         from .mxfp8 import MXFP8
 
         return MXFP8()
+    if info.granularity == "nvfp4":  # the stored (padded) shape; the model's Linear gives the true one
+        from .nvfp4 import NVFP4
+
+        return NVFP4(*info.shape)
     if info.granularity == "tensor":
         return PerTensor()
     if info.granularity == "row":
@@ -730,6 +1019,7 @@ def make_layout(info: LayerInfo):
 __all__ = [
     "FormatError", "FormatReport", "LayerInfo", "DetectedFormat", "SafetensorsHeader", "TensorEntry",
     "read_header", "detect_format", "inspect_file", "load_file", "infer_layout", "make_layout",
+    "KNOWN_BLOCKS", "block_grid", "check_scale_range",
     "PLAIN", "COMFY_SCALED", "COMFY_METADATA", "COMFY_PER_LAYER", "MUSUBI", "WEIGHT_SCALE", "BLOCKWISE_INV",
     "UNQUANTIZED", "FP8_DTYPES", "FP8_BY_NAME", "ST_DTYPES", "ST_NAMES",
 ]

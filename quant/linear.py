@@ -23,9 +23,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import custom_ops, kernels
+from . import custom_ops, int8, kernels, nvfp4
 from .config import DEFAULT_CONFIG, ComputeConfig
 from .layouts import Block, PerRow, PerTensor, QuantizationError, tracing, workspace
+from .nvfp4 import NVFP4
 from .tensor import QuantizedTensor, log_once
 
 logger = logging.getLogger(__name__)
@@ -394,6 +395,28 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
 
 
 # ---------------------------------------------------------------------------------------------
+# the int8 path (int8.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _int8_weight(x, w: QuantizedTensor, bias, cfg: ComputeConfig):
+    """The Int8 weight to run ``w``'s product with on the int8 path, or None for the other paths.
+    Int8 weights take it unless weight-only is forced (under "auto" wherever INT8 is fast, FP8 GPUs
+    included); FP8 weights only when it is forced, converted once and kept on the weight (the loaders
+    convert them at load where "auto" wants int8)."""
+    if cfg.path == "weight_only" or x.numel() == 0:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return None  # autograd goes through the dequantized weight
+    if int8.is_int8(w):
+        return w if cfg.path != "auto" or int8.int8_fast(x.device) else None
+    if cfg.path == "int8":
+        rotation = None if cfg.int8_rotation else 0
+        return _cached_on_weight(w, "int8", lambda: int8.to_int8(w, rotation))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
@@ -421,6 +444,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         cdt = _compute_dtype(x, config or weight.config or DEFAULT_CONFIG)
         return F.linear(x.to(cdt), weight.dequantize(cdt), None if bias is None else bias.to(cdt))
     cfg = config or weight.config or DEFAULT_CONFIG
+    if isinstance(weight.layout, NVFP4):  # packed 4-bit weights: weight-only everywhere (nvfp4.py)
+        return nvfp4.weight_only_linear(x, weight, bias, _compute_dtype(x, cfg))
     out_f, in_f = weight.qdata.shape
     if x.dim() == 0 or x.shape[-1] != in_f:
         raise QuantizationError(
@@ -428,6 +453,16 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
             f"[{out_f}, {in_f}] (last input dim must be {in_f})"
         )
     cdt = _compute_dtype(x, cfg)
+    w8 = _int8_weight(x, weight, bias, cfg)
+    if w8 is not None:
+        b = None if bias is None else bias.to(cdt)
+        try:
+            return int8.int8_linear(x, w8, b, cdt)
+        except Exception as exc:  # a kernel that cannot run here must not break the model
+            log_once(("int8_failed", x.device.type, type(exc).__name__, _first_line(exc)[:120]), logging.WARNING,
+                     "int8 linear failed on %s (%s: %s); using the weight-only path instead (logged once)",
+                     x.device, type(exc).__name__, _first_line(exc))
+            return _weight_only(x, w8, b, cdt)
     if not _wants_fp8(x, weight, cfg):
         return _weight_only(x, weight, bias, cdt)
 

@@ -42,7 +42,12 @@ DEFAULT_KEEP: tuple[str, ...] = (
     "*text_projection*",
 )
 
-GRANULARITIES = ("tensor", "row", "block")
+# mxfp8: 1 x 32 power-of-two scales (ComfyUI 0.29's form); nvfp4: 4-bit e2m1 (ComfyUI's NVFP4 form, 0.29+)
+GRANULARITIES = ("tensor", "row", "block", "mxfp8", "nvfp4")
+# ComfyUI 0.33's int8_tensorwise form: one scale per tensor, or per channel with its ConvRot rotation
+# (regular Hadamard, 256 wide, where in_features allows it); these weights run the int8 path
+INT8_GRANULARITIES = ("int8 tensor", "int8 row convrot")
+GRANULARITIES = GRANULARITIES + INT8_GRANULARITIES
 FP8_NAMES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
              "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -58,15 +63,30 @@ def fp8_dtype_from_name(name) -> torch.dtype:
         raise ValueError(f"unknown fp8 dtype {name!r}; expected one of {sorted(FP8_NAMES)}") from None
 
 
-def make_layout(granularity: str, block: tuple[int, int] = (128, 128)):
+def make_layout(granularity: str, block: tuple[int, int] = (128, 128), shape=None):
+    """The layout for `granularity`; an NVFP4 layout holds its weight's `shape` (None gives None then: make
+    one per weight)."""
     from .layouts import Block, PerRow, PerTensor
 
+    if granularity == "mxfp8":
+        from .mxfp8 import MXFP8
+
+        return MXFP8()
+    if granularity == "nvfp4":
+        from .nvfp4 import NVFP4
+
+        return None if shape is None else NVFP4.for_shape(shape)
     if granularity == "tensor":
         return PerTensor()
     if granularity == "row":
         return PerRow()
     if granularity == "block":
         return Block(int(block[0]), int(block[1]))
+    if granularity in INT8_GRANULARITIES:
+        from .comfy_int8 import DEFAULT_CONVROT
+        from .int8_layout import Int8
+
+        return Int8(False) if granularity == "int8 tensor" else Int8(True, DEFAULT_CONVROT, True)
     raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
 
 
@@ -154,10 +174,29 @@ class QuantizeReport:
         return "\n".join(lines)
 
 
+def fit_layout(layout, shape, fp8_dtype) -> tuple[object, torch.dtype]:
+    """(layout, data dtype) for one weight of `shape`: int8 layouts store int8 and drop a rotation
+    whose block does not divide in_features; FP8 layouts are returned as they are."""
+    from .int8_layout import Int8
+
+    if not isinstance(layout, Int8):
+        return layout, fp8_dtype
+    if layout.rotation and (len(shape) != 2 or shape[1] % layout.rotation):
+        layout = Int8(layout.per_row)
+    return layout, torch.int8
+
+
+def data_dtype_name(layout, fp8_dtype) -> str:
+    from .int8_layout import Int8
+
+    return "int8" if isinstance(layout, Int8) else str(fp8_dtype).removeprefix("torch.")
+
+
 def quantize_weight(w: torch.Tensor, layout, fp8_dtype, *, orig_dtype=None, stochastic_rounding=None, config=None):
     """One weight -> (QuantizedTensor, SQNR dB against the float64 original)."""
     from .tensor import QuantizedTensor
 
+    layout, fp8_dtype = fit_layout(layout, tuple(w.shape), fp8_dtype)
     qt = QuantizedTensor.from_float(w, layout, fp8_dtype=fp8_dtype, stochastic_rounding=stochastic_rounding)
     if orig_dtype is not None and qt.orig_dtype != orig_dtype:
         qt = QuantizedTensor.from_parts(qt.qdata, qt.scale, qt.layout, orig_dtype=orig_dtype)
@@ -185,7 +224,7 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
     layout = make_layout(granularity, block)
     keep = tuple(keep)
     report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
-                            str(fp8).removeprefix("torch."))
+                            _element_name(granularity, layout, fp8))
     out: dict[str, torch.Tensor] = {}
     keys = list(sd)
     for i, key in enumerate(keys):
@@ -194,8 +233,8 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
             name = key[: -len(".weight")]
             why = keep_reason(name, keep)
             if why is None:
-                qt, q = quantize_weight(t, layout, fp8, orig_dtype=t.dtype, stochastic_rounding=stochastic_rounding,
-                                        config=config)
+                qt, q = quantize_weight(t, layout or make_layout(granularity, block, t.shape), fp8, orig_dtype=t.dtype,
+                                        stochastic_rounding=stochastic_rounding, config=config)
                 out[key] = qt
                 report.layers.append(LayerQuality(name, tuple(t.shape), True, q))
             else:
@@ -226,7 +265,7 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
     layout = make_layout(granularity, block)
     keep = tuple(keep)
     report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
-                            str(fp8).removeprefix("torch."))
+                            _element_name(granularity, layout, fp8))
     linears = [(n, m) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) or _looks_linear(m)]
     new: dict[str, torch.Tensor] = {}
     for i, (name, m) in enumerate(linears):
@@ -236,7 +275,8 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
         why = keep_reason(name, keep)
         if why is None:
             with torch.no_grad():
-                qt, q = quantize_weight(w.detach(), layout, fp8, orig_dtype=w.dtype,
+                qt, q = quantize_weight(w.detach(), layout or make_layout(granularity, block, w.shape), fp8,
+                                        orig_dtype=w.dtype,
                                         stochastic_rounding=stochastic_rounding, config=config)
             new[prefix + name + ".weight"] = qt
             report.layers.append(LayerQuality(name, tuple(w.shape), True, q))
@@ -247,10 +287,14 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
     return new, report
 
 
+def _element_name(granularity: str, layout, fp8: torch.dtype) -> str:
+    return "e2m1" if granularity == "nvfp4" else data_dtype_name(layout, fp8)
+
+
 def _looks_linear(m: torch.nn.Module) -> bool:
     # ComfyUI's mixed-precision Linear derives from Module, not nn.Linear.
     return type(m).__name__ == "Linear" and hasattr(m, "in_features") and hasattr(m, "out_features")
 
 
-__all__ = ["DEFAULT_KEEP", "GRANULARITIES", "LayerQuality", "QuantizeReport", "quantize_state_dict", "quantize_module",
+__all__ = ["DEFAULT_KEEP", "GRANULARITIES", "INT8_GRANULARITIES", "fit_layout", "LayerQuality", "QuantizeReport", "quantize_state_dict", "quantize_module",
            "quantize_weight", "sqnr_db", "keep_reason", "make_layout", "fp8_dtype_from_name", "is_linear_weight"]

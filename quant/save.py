@@ -15,6 +15,9 @@ Encoding of a `QuantizedTensor` weight `<layer>.weight`:
   (UE8M0 bytes, F8_E8M0, in cuBLAS's 128x4 tiled order), `.comfy_quant` `{"format": "mxfp8"}`. Per-tensor
   layers in the same file get their `.comfy_quant` too, so 0.29 reads every layer. ComfyUI 0.3.75 has
   no MXFP8: a file for it must be quantized per tensor (the notes say so).
+- NVFP4 (`quant.nvfp4.NVFP4`): ComfyUI's own per-layer "nvfp4" form: `.weight` (uint8, packed e2m1,
+  padded to multiples of 16), `.weight_scale` (e4m3 block scales, tiled), `.weight_scale_2` (f32 []),
+  `.comfy_quant` `{"format": "nvfp4"}`; 0.29 and newer read it.
 Other tensors are written as they are. Writes stream tensor by tensor into a temporary file in the
 target folder, then move into place; an existing file is never replaced unless `overwrite=True`.
 """
@@ -50,12 +53,16 @@ def layout_kind(layout) -> tuple[str, tuple[int, int] | None]:
     name = type(layout).__name__
     if name == "MXFP8":  # a Block(1, 32) with power-of-two scales, stored in 0.29's own form
         return "mxfp8", None
+    if name == "NVFP4":  # packed 4-bit data, stored in ComfyUI's own form
+        return "nvfp4", None
     if name == "PerTensor":
         return "tensor", None
     if name == "PerRow":
         return "row", None
     if name == "Block":
         return "block", (int(layout.rows), int(layout.cols))
+    if name == "Int8":  # written in ComfyUI 0.33's int8_tensorwise form (comfy_int8.py)
+        return "int8", None
     raise ValueError(f"unknown QuantizedTensor layout {layout!r}; expected PerTensor, PerRow, Block or MXFP8")
 
 
@@ -101,12 +108,26 @@ class SaveError(OSError):
     that nothing was left under its name; `errno` is the operating system's error number."""
 
 
+# What a saved file's name adds to the user's name: "_00001_.safetensors" (ComfyUI's counter), "_00001"
+# (unique_path's counter when that name is taken), and the temporary file's "." + ".<16 hex>.tmp".
+NAME_SUFFIX_BYTES = len("_00001_.safetensors") + len("_00001") + len("..0123456789abcdef.tmp")
+
+
+def _name_max(folder: str) -> int:
+    """The longest file name (bytes) the file system of `folder` allows (255 where it cannot be asked)."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (AttributeError, OSError, ValueError):
+        return 255
+
+
 def check_output_prefix(filename_prefix: str, output_dir) -> tuple[str, str]:
     """Validate a user's `folder/name` prefix for a file inside `output_dir`.
 
     Returns (the prefix as a clean relative `folder/name`, the absolute folder it names). Raises
     ValueError for prefixes that try to leave the folder: absolute paths, drive letters, `..`
-    components, NUL bytes, or a folder that resolves (through symlinks) outside `output_dir`.
+    components, NUL bytes, or a folder that resolves (through symlinks) outside `output_dir`; and for
+    names longer than the file system allows (the file name with what saving adds to it).
     """
     text = str(filename_prefix).strip()
     shown = repr(text) if len(text) <= 200 else repr(text[:200] + "...")
@@ -122,6 +143,17 @@ def check_output_prefix(filename_prefix: str, output_dir) -> tuple[str, str]:
     if not parts or re.split(r"[\\/]+", text)[-1] in ("", "."):
         raise ValueError(f"filename_prefix {shown} has no file name; expected e.g. 'fp8/model'")
     root = os.path.realpath(os.fspath(output_dir))
+    name_max = _name_max(root)
+    for i, part in enumerate(parts):
+        size = len(part.encode("utf-8", "surrogatepass"))
+        room = name_max - (NAME_SUFFIX_BYTES if i == len(parts) - 1 else 0)
+        if size > room and i == len(parts) - 1:
+            raise ValueError(f"filename_prefix {shown}: its file name is {size} bytes long, more than the {room} this "
+                             f"file system leaves for it ({name_max} bytes per name, less {NAME_SUFFIX_BYTES} for the "
+                             "counter, extension and temporary suffix that saving adds): shorten it")
+        if size > room:
+            raise ValueError(f"filename_prefix {shown}: folder name {part[:40]!r}... is {size} bytes long, more than "
+                             f"the {name_max} this file system allows per name: shorten it")
     folder = os.path.join(root, *parts[:-1])
     real = os.path.realpath(folder)
     if os.path.commonpath([root, real]) != root:
@@ -190,7 +222,10 @@ def write_safetensors(path, entries: list[tuple[str, torch.dtype, tuple[int, ...
     if free < total:
         raise SaveError(errno.ENOSPC, f"{path}: the file needs {total / 2**20:,.2f} MiB but only {free / 2**20:,.2f} MiB "
                         f"are free in {folder}; nothing was written")
-    fd, tmp = _new_temp_file(folder, f".{os.path.basename(path)}.", ".tmp")
+    try:
+        fd, tmp = _new_temp_file(folder, f".{os.path.basename(path)}.", ".tmp")
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise _write_failed(path, exc, 0, total, existed) from exc
     written = 0
     try:
         try:
@@ -279,8 +314,9 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
         legacy_dtype = torch.float8_e5m2
     stock = all_tensor and (legacy_dtype is not None or all(infos[k][0] == torch.float8_e4m3fn for k in quantized))
     has_mx = any(kinds[k][0] == "mxfp8" for k in quantized)
-    # every layer in a form ComfyUI 0.29 reads per layer (per-tensor e4m3fn/e5m2 and MXFP8)
-    kitchen = has_mx and all(kinds[k][0] in ("tensor", "mxfp8") for k in quantized)
+    has_nv = any(kinds[k][0] == "nvfp4" for k in quantized)
+    # every layer in a form ComfyUI 0.29 and newer read per layer (per-tensor e4m3fn/e5m2, MXFP8, NVFP4)
+    kitchen = (has_mx or has_nv) and all(kinds[k][0] in ("tensor", "mxfp8", "nvfp4") for k in quantized)
     blocks = {kinds[k][1] for k in quantized if kinds[k][0] == "block"}
     slot: dict = {}
 
@@ -315,6 +351,12 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
         if kind == "mxfp8":
             _add_mxfp8(add, layer, key, qt_of, shape, has_in)
             continue
+        if kind == "int8":
+            _add_int8(add, layer, key, qt_of, shape, layout)
+            continue
+        if kind == "nvfp4":
+            _add_nvfp4(add, layer, key, qt_of, layout)
+            continue
         add(key, (lambda k=key: qt_of(k).qdata), fp8, shape)
         if legacy_dtype is not None:
             add(layer + ".scale_weight", (lambda k=key: qt_of(k).scale.float().reshape(())), torch.float32, ())
@@ -343,12 +385,18 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
     if len(blocks) == 1:
         r, c = next(iter(blocks))
         metadata["quantization_config"] = json.dumps({"quant_method": "fp8", "weight_block_size": [r, c]})
+    if has_nv:
+        notes.append("nvfp4 layers: written in ComfyUI's own per-layer form, which 0.29 and newer load; older "
+                     "ComfyUI cannot read them")
     if has_mx:
         notes.append("mxfp8 layers: written in ComfyUI 0.29's own per-layer form, which 0.29 and newer load; "
                      "ComfyUI 0.3.75 (and any ComfyUI without MXFP8) cannot read them: for those, quantize the "
                      "model per tensor" + ("" if kitchen else "; row-wise and block-wise layers of this file "
                                             "need this pack's loaders"))
-    elif quantized and not stock:
+    elif "int8" in grans:
+        notes.append("int8 layers: written in ComfyUI 0.33's int8_tensorwise form, which 0.33 and newer load; "
+                     "older ComfyUI cannot, and this pack's loaders read them everywhere")
+    elif quantized and not stock and not has_nv:
         notes.append("stock ComfyUI cannot apply row-wise or block-wise scales (or mixed e4m3fn/e5m2 layers): "
                      "load this file with this pack's loaders")
     metadata["fp8_engram"] = json.dumps({"version": 1, "granularity": grans})
@@ -378,6 +426,44 @@ def _add_mxfp8(add, layer: str, key: str, qt_of, shape, has_in: bool) -> None:
     if has_in:
         add(layer + ".input_scale", (lambda k=key: qt_of(k).input_scale.float().reshape(())), torch.float32, ())
     blob = json.dumps({"format": "mxfp8"}).encode("utf-8")
+    add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
+
+
+def _add_int8(add, layer: str, key: str, qt_of, shape, layout) -> None:
+    """The entries of one Int8 layer in ComfyUI 0.33's int8_tensorwise form (`comfy_int8.file_tensors`)."""
+    from .comfy_int8 import comfy_quant_bytes, file_form, file_tensors
+
+    if len(shape) != 2:
+        raise ValueError(f"int8 weight '{key}' has shape {list(shape)}; expected [out, in]")
+    _, conf, sshape = file_form(layout, shape)
+    blob = comfy_quant_bytes(conf)
+    memo: dict = {}
+
+    def parts(k=key):
+        qt = qt_of(k)
+        if memo.get("qt") is not qt:
+            memo.clear()
+            memo.update(qt=qt, parts=file_tensors(qt))
+        return memo["parts"]
+
+    add(key, (lambda: parts()[0]), torch.int8, shape)
+    add(layer + ".weight_scale", (lambda: parts()[1].float()), torch.float32, sshape)
+    add(layer + ".comfy_quant", (lambda b=blob: b.clone()), torch.uint8, (blob.numel(),))
+
+
+def _add_nvfp4(add, layer: str, key: str, qt_of, layout) -> None:
+    """The entries of one NVFP4 layer in ComfyUI's form (see the module docstring and quant/nvfp4.py)."""
+    from .mxfp8 import padded_shape
+    from .nvfp4 import file_tensors
+
+    def part(name, k=key):
+        return file_tensors(qt_of(k))[name]
+
+    add(key, (lambda: part("weight")), torch.uint8, layout.storage_shape)
+    add(layer + ".weight_scale", (lambda: part("weight_scale")), torch.float8_e4m3fn,
+        padded_shape(layout.padded[0], layout.blocks))
+    add(layer + ".weight_scale_2", (lambda: part("weight_scale_2")), torch.float32, ())
+    blob = json.dumps({"format": "nvfp4"}).encode("utf-8")
     add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
 
 

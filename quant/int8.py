@@ -1,0 +1,121 @@
+"""The INT8 compute path: FP8 (or bf16) weights converted once to int8, activations quantized per token.
+
+Where a device has fast INT8 matrix units but no FP8 ones (CUDA capability 7.5 to 8.8: Turing,
+Ampere; x86 CPUs with VNNI or AMX), an int8 x int8 product with int32 accumulation is the fastest
+way to run an FP8 checkpoint:
+
+- at load, each FP8 weight (any layout) or float weight becomes an ``Int8`` QuantizedTensor: one
+  scale per output channel, and (by default, where ``in_features`` is a multiple of 128) the
+  weight rotated once by a 128-wide block Hadamard transform along K (``int8_layout.py``);
+- per call, one fused pass rotates the activation the same way and quantizes it per token
+  (``kernels.int8_mm.quantize_rows_int8``), then one int8 GEMM applies both scales, the bias and
+  the output dtype in its epilogue (``kernels.int8_mm.int8_linear_mm``).
+
+The rotation matters for diffusion transformers, whose activations carry a few huge channels: a
+per-token int8 scale set by one outlier leaves the other channels a few levels; rotated, the
+outlier is spread over its 128-block (bench/quant_linear.py measures both cases).
+Pure torch; never imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from .int8_layout import Int8
+from .kernels.int8_mm import int8_linear_mm, quantize_rows_int8
+from .layouts import QuantizationError
+from .tensor import QuantizedTensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["int8_supported", "int8_fast", "to_int8", "int8_linear", "default_rotation", "conversion_sqnr_db",
+           "is_int8", "ROTATION_BLOCK"]
+
+ROTATION_BLOCK = 128
+_cuda_ok: dict = {}
+
+
+def _capability(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cuda_ok:
+        _cuda_ok[index] = torch.cuda.get_device_capability(index)
+    return _cuda_ok[index]
+
+
+def int8_fast(device) -> bool:
+    """Does the device multiply int8 faster than bf16: CUDA capability 7.5+ (int8 tensor cores), or an
+    x86 CPU with int8 dot-product instructions (AVX-512 VNNI / AVX-VNNI) or AMX tiles. Plain AVX2 CPUs
+    have neither: there int8 GEMMs run slower than float ones (bench/quant_linear.py --int8)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        cpu = getattr(torch, "cpu", None)
+        probes = ("_is_vnni_supported", "_is_amx_tile_supported")
+        return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+    return device.type == "cuda" and _capability(device) >= (7, 5)
+
+
+def int8_supported(device) -> bool:
+    """Does ``auto`` convert FP8 weights to int8 on this device: where INT8 is fast and there are no FP8
+    matrix units (CUDA capability 7.5 up to, not including, 8.9, where fp8 x fp8 takes over; CPUs with
+    VNNI/AMX). Weights that are int8 already (ComfyUI's int8 files) run int8 wherever it is fast."""
+    device = torch.device(device)
+    if device.type == "cuda" and int8_fast(device):
+        return _capability(device) < (8, 9)
+    return int8_fast(device)
+
+
+def is_int8(w) -> bool:
+    return isinstance(w, QuantizedTensor) and isinstance(w.layout, Int8)
+
+
+def default_rotation(in_features: int) -> int:
+    """The rotation block the path uses unless told otherwise: 128 where it divides K, else none."""
+    return ROTATION_BLOCK if in_features % ROTATION_BLOCK == 0 else 0
+
+
+def to_int8(w: torch.Tensor, rotation: int | None = None, *, config=None) -> QuantizedTensor:
+    """An FP8 QuantizedTensor (any layout) or a float [out, in] tensor as an ``Int8`` per-channel
+    QuantizedTensor with the same logical dtype; ``rotation`` None = :func:`default_rotation`, 0 = off.
+    An Int8 weight is returned as it is."""
+    if is_int8(w):
+        return w if config is None else w.with_config(config)
+    if isinstance(w, QuantizedTensor):
+        if w.transposed or w.qdata.dim() != 2:
+            raise QuantizationError(f"to_int8 needs an [out, in] weight, got {w!r}")
+        orig, wf, cfg = w.orig_dtype, w.dequantize(torch.float32), config or w.config
+    else:
+        if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point or w.dim() != 2:
+            raise QuantizationError(f"to_int8 needs a 2-D float or FP8 QuantizedTensor weight, got "
+                                    f"{getattr(w, 'dtype', type(w).__name__)} {list(getattr(w, 'shape', []))}")
+        orig, wf, cfg = w.dtype, w.detach().to(torch.float32), config
+    if orig not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        orig = torch.bfloat16
+    rot = default_rotation(wf.shape[1]) if rotation is None else int(rotation)
+    with torch.no_grad():
+        q, scale = Int8(per_row=True, rotation=rot).quantize(wf)
+    return QuantizedTensor.from_parts(q, scale, Int8(per_row=True, rotation=rot), orig_dtype=orig, config=cfg)
+
+
+def conversion_sqnr_db(reference: torch.Tensor, w: QuantizedTensor) -> float:
+    """SQNR (dB) of ``w``'s dequantized values against ``reference`` (the weight it was made from);
+    float32 differences (exact for these magnitudes), float64 sums."""
+    ref = reference.dequantize(torch.float32) if isinstance(reference, QuantizedTensor) else reference.float()
+    err = (w.dequantize(torch.float32) - ref).pow(2).sum(dtype=torch.float64)
+    sig = ref.pow(2).sum(dtype=torch.float64)
+    if float(err) == 0.0:
+        return math.inf
+    return float(10 * torch.log10(sig / err)) if float(sig) > 0 else -math.inf
+
+
+def int8_linear(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
+    """``x @ dequant(w).T + bias`` for an ``Int8`` weight: per-token int8 activation (rotated like the
+    weight), int8 GEMM, float epilogue; x of any rank >= 1, output in ``out_dtype``."""
+    out_f, in_f = w.qdata.shape
+    x2d = x.reshape(-1, in_f)
+    layout = w.layout
+    xq, sa = quantize_rows_int8(x2d, layout.rotation, layout.regular)
+    out = int8_linear_mm(xq, sa, w.qdata, w.scale, bias, out_dtype)
+    return out.reshape(*x.shape[:-1], out_f)

@@ -1,0 +1,155 @@
+"""INT8 weights: the layout rule (scales, rounding, block Hadamard rotation) that every INT8 user shares.
+
+``Int8(per_row, rotation, regular)`` is the layout of a ``QuantizedTensor`` whose ``qdata`` is int8
+``[out, in]``:
+
+- ``per_row``: one float32 scale per output channel (``[out, 1]``), else one per tensor (``[]``);
+- ``rotation``: 0, or the block size ``b`` of a Hadamard rotation along K: the stored weight is
+  ``W_rot = W @ blockdiag(H_b)^T``. ``H_b`` is orthonormal and symmetric, so ``x @ W.T ==
+  (x @ blockdiag(H_b)) @ W_rot.T``: the linear rotates the activation once per call and the
+  rotation spreads outlier channels over the block before the per-token int8 rounding;
+- ``regular``: ``H_b`` is ComfyUI ConvRot's "regular" Hadamard (Kronecker powers of a symmetric
+  4x4 matrix, ``b`` a power of 4), else Sylvester's (``b`` a power of 2; the pack's own default 128);
+- ``cast_first``: dequantization casts to the target dtype before rotating back, and rotates in it
+  (how ComfyUI decodes ``asym_w4a8_int8``; the int8 product is the same either way).
+
+Dequantization is ComfyUI 0.33's rule for ``int8_tensorwise`` (with ``convrot``), operation for
+operation so that the bits agree: ``w = q.float() * scale``, then, when rotated,
+``matmul(w.reshape(out, groups, b), H.T)``, then the cast to the requested dtype.
+Quantization: ``scale = absmax / 127`` (zero rows get 1), ``q = clamp(round_half_even(w / scale),
+-128, 127)``, or stochastic rounding (floor of ``w / scale + U[0, 1)``). Pure torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layouts import QuantizationError
+
+__all__ = ["Int8", "hadamard", "rotate", "unrotate", "INT8_MAX", "int8_scale"]
+
+INT8_MAX = 127.0
+_H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
+_hadamards: dict = {}
+
+
+def _power_of(n: int, base: int) -> bool:
+    while n > 1 and n % base == 0:
+        n //= base
+    return n == 1
+
+
+def hadamard(size: int, regular: bool = False, device=None) -> torch.Tensor:
+    """Normalized symmetric Hadamard matrix ``[size, size]`` (float32), cached per device."""
+    device = torch.device("cpu" if device is None else device)
+    key = (size, regular, device)
+    h = _hadamards.get(key)
+    if h is None:
+        base = 4 if regular else 2
+        if size < base or not _power_of(size, base):
+            raise QuantizationError(f"a {'regular' if regular else 'Sylvester'} Hadamard rotation needs a block "
+                                    f"size that is a power of {base}, got {size}")
+        seed = torch.tensor(_H4 if regular else ((1, 1), (1, -1)), dtype=torch.float32)
+        h = seed
+        while h.shape[0] < size:
+            h = torch.kron(h, seed)
+        h = (h / (size ** 0.5)).to(device)
+        _hadamards[key] = h
+    return h
+
+
+def rotate(x: torch.Tensor, block: int, regular: bool = False) -> torch.Tensor:
+    """``x @ blockdiag(H)`` along the last dim, in float32 (activations; ``H`` is symmetric)."""
+    k = x.shape[-1]
+    h = hadamard(block, regular, x.device)
+    xf = x.to(torch.float32)
+    return torch.matmul(xf.reshape(-1, k // block, block), h).reshape(x.shape)
+
+
+def unrotate(w: torch.Tensor, block: int, regular: bool = False) -> torch.Tensor:
+    """Weights: float32 ``[out, in]`` times ``blockdiag(H).T`` per block, exactly as ComfyUI writes it
+    (a matmul with the transposed view; the same product serves both directions since H is an
+    involution)."""
+    out, k = w.shape
+    h = hadamard(block, regular, w.device)
+    return torch.matmul(w.reshape(out, k // block, block), h.T).reshape(out, k)
+
+
+def int8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """absmax -> a positive float32 scale (all-zero groups get 1)."""
+    s = amax.to(torch.float32) / INT8_MAX
+    return torch.where(s > 0, s.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(s))
+
+
+def _round(v: torch.Tensor, generator) -> torch.Tensor:
+    if generator is None:
+        v = v.round_()
+    else:
+        noise = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32)
+        v = v.add_(noise).floor_()
+    return v.clamp_(-128.0, 127.0).to(torch.int8)
+
+
+@dataclass(frozen=True)
+class Int8:
+    """int8 data, a per-tensor or per-output-channel float32 scale, optional block rotation of K."""
+
+    per_row: bool = True
+    rotation: int = 0
+    regular: bool = False
+    cast_first: bool = False  # dequantize casts before rotating back, in the target dtype (asym_w4a8)
+
+    name = "int8"
+
+    def __post_init__(self):
+        if isinstance(self.rotation, bool) or not isinstance(self.rotation, int) or self.rotation < 0:
+            raise QuantizationError(f"Int8 rotation must be 0 or a block size, got {self.rotation!r}")
+        if self.rotation:
+            hadamard(self.rotation, self.regular)  # validates the size
+
+    def _check(self, shape) -> None:
+        if len(shape) != 2:
+            raise QuantizationError(f"layout {self} needs a 2-D weight [out, in], got shape {list(shape)}")
+        if self.rotation and shape[1] % self.rotation:
+            raise QuantizationError(f"layout {self}: in_features {shape[1]} is not a multiple of the "
+                                    f"rotation block {self.rotation}")
+
+    def scale_shape(self, shape) -> tuple:
+        self._check(shape)
+        return (shape[0], 1) if self.per_row else ()
+
+    def normalize_scale(self, scale: torch.Tensor, shape) -> torch.Tensor:
+        want = self.scale_shape(shape)
+        if self.per_row:
+            if tuple(scale.shape) not in ((shape[0],), (shape[0], 1)):
+                raise QuantizationError(f"per-row int8 scale for a weight of shape {list(shape)} must have shape "
+                                        f"[{shape[0]}, 1], got {list(scale.shape)}")
+        elif scale.numel() != 1:
+            raise QuantizationError(f"per-tensor int8 scale must hold one value, got shape {list(scale.shape)}")
+        return scale.reshape(want)
+
+    def quantize(self, w: torch.Tensor, dtype=torch.int8, generator=None):
+        if dtype != torch.int8:
+            raise QuantizationError(f"layout Int8 stores torch.int8 data, got {dtype}")
+        self._check(w.shape)
+        wf = w.to(torch.float32)
+        if self.rotation:
+            wf = unrotate(wf, self.rotation, self.regular)  # W @ H.T
+        amax = wf.abs().amax(dim=1, keepdim=True) if self.per_row else wf.abs().amax()
+        scale = int8_scale(amax)
+        return _round(wf / scale, generator), scale
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        w = q.float() * scale.to(device=q.device, dtype=torch.float32)
+        if self.rotation and self.cast_first:
+            n, k = w.shape
+            h = hadamard(self.rotation, self.regular, w.device).to(dtype)
+            w = torch.matmul(w.to(dtype).reshape(n, k // self.rotation, self.rotation), h.T).reshape(n, k)
+        elif self.rotation:
+            w = unrotate(w, self.rotation, self.regular)
+        if out is not None:
+            return out.copy_(w)
+        return w.to(dtype)

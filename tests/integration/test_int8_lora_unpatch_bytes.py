@@ -1,0 +1,139 @@
+"""In process, with ComfyUI's own ModelPatcher (no server): an FP8 file loaded with the int8 compute
+path has int8 weights (converted once at load, with a per-layer SQNR report); a LoRA patched onto them
+changes them as dequantize -> add -> requantize into the same Int8 layout (rotation included), the
+patched model runs the int8 path, and unpatching restores every original int8 byte and scale exactly:
+with in-place and replacing updates, under inference_mode and outside it.
+
+Thresholds: patched weight vs float64 (dequantized original + LoRA delta) > 35 dB (int8 per channel);
+conversion SQNR of every layer > 30 dB (the FP8 weights dequantized, float64)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from helpers import fp8_files
+from helpers.host import comfy_in_process
+
+pytestmark = pytest.mark.integration
+
+LORA_LAYERS = ("joint_blocks.0.x_block.mlp.fc1", "joint_blocks.0.x_block.attn.qkv", "joint_blocks.1.x_block.mlp.fc2")
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref = ref.double()
+    err = (ref - x.double()).norm()
+    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
+
+
+@pytest.fixture(scope="module")
+def comfy_modules():
+    comfy_in_process()
+    import comfy.lora
+    import comfy.sd
+
+    from fp8_engram.nodes.ops import make_fp8_ops
+
+    return comfy.sd, make_fp8_ops
+
+
+@pytest.fixture(scope="module")
+def fp8_file(tiny_models_cache, tmp_path_factory):
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tiny_models_cache / "diffusion_models" / "tiny_sd3.safetensors"))
+    path = tmp_path_factory.mktemp("int8_lora") / "tiny_sd3_fp8.safetensors"
+    fp8_files.write_format(sd, path, "comfy_quant_per_layer")
+    return path
+
+
+def _load(comfy_modules, path):
+    comfy_sd, make_fp8_ops = comfy_modules
+    from fp8_engram.quant import ComputeConfig, formats
+
+    cfg = ComputeConfig(path="int8")
+    sd, _ = formats.load_file(str(path), config=cfg)
+    fp8 = {k: v.dequantize(torch.float64) for k, v in sd.items() if hasattr(v, "qdata")}
+    ops = make_fp8_ops(cfg)
+    model = comfy_sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": ops})
+    return model, ops, fp8
+
+
+def _lora(model) -> dict:
+    g = torch.Generator().manual_seed(5)
+    lora = {}
+    dm = model.model.diffusion_model
+    for layer in LORA_LAYERS:
+        w = dm.get_submodule(layer).weight
+        lora[f"diffusion_model.{layer}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.1
+        lora[f"diffusion_model.{layer}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.1
+    return lora
+
+
+def _snapshot(model) -> dict:
+    from fp8_engram.quant import QuantizedTensor
+
+    out = {}
+    for name, m in model.model.diffusion_model.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, QuantizedTensor):
+            out[name] = (w.qdata.view(torch.uint8).clone(), w.scale.clone(), w.layout, w.qdata.dtype,
+                         w.dequantize(torch.float64))
+    return out
+
+
+def test_int8_load_converts_every_fp8_layer_and_reports_its_sqnr(comfy_modules, fp8_file):
+    from fp8_engram.quant.int8 import is_int8
+
+    model, ops, fp8 = _load(comfy_modules, fp8_file)
+    snap = _snapshot(model)
+    assert len(snap) == 24 and all(v[3] == torch.int8 for v in snap.values())
+    dm = model.model.diffusion_model
+    assert all(is_int8(dm.get_submodule(n).weight) for n in snap)
+    assert len(ops.int8_layers) == 24 and min(db for _, db in ops.int8_layers) > 30.0
+    for name, db in ops.int8_layers:
+        # the report is the truth: the weight against the FP8 file's values
+        got = sqnr(fp8[f"{name}.weight"], snap[name][4])
+        assert abs(got - db) < 0.05, (name, got, db)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["replace", "inplace"])
+@pytest.mark.parametrize("mode", ["inference_mode", "grad_mode"])
+def test_unpatching_a_lora_restores_the_int8_bytes_and_scales_exactly(comfy_modules, fp8_file, inplace, mode):
+    comfy_sd, _ = comfy_modules
+    from fp8_engram.quant import QuantizedTensor, linear
+    from fp8_engram.quant.int8 import int8_linear
+
+    base, _, _ = _load(comfy_modules, fp8_file)
+    before = _snapshot(base)
+    lora = _lora(base)
+    ctx = torch.inference_mode() if mode == "inference_mode" else contextlib.nullcontext()
+    with ctx:
+        patched, _ = comfy_sd.load_lora_for_models(base, None, lora, 1.0, 0.0)
+        patched.weight_inplace_update = inplace
+        patched.patch_model(device_to=torch.device("cpu"))
+        during = _snapshot(patched)
+        for layer in LORA_LAYERS:
+            up = lora[f"diffusion_model.{layer}.lora_up.weight"].double()
+            down = lora[f"diffusion_model.{layer}.lora_down.weight"].double()
+            want = before[layer][4] + up @ down
+            q = sqnr(want, during[layer][4])
+            assert q > 35.0, f"{layer}: patched weight vs dequantized + LoRA delta {q:.1f} dB"
+            assert not torch.equal(during[layer][0], before[layer][0])
+            assert during[layer][2] == before[layer][2] and during[layer][3] == torch.int8
+            # the patched weight still runs the int8 path
+            w = patched.model.diffusion_model.get_submodule(layer).weight
+            x = torch.randn(3, w.shape[1])
+            assert torch.equal(linear(x, w), int8_linear(x, w, None, torch.float32))
+        untouched = [n for n in before if n not in LORA_LAYERS]
+        assert all(torch.equal(during[n][0], before[n][0]) for n in untouched)
+        patched.unpatch_model(device_to=torch.device("cpu"))
+    after = _snapshot(base)
+    assert after.keys() == before.keys()
+    for name, (qbytes, scale, layout, dtype, _) in before.items():
+        w = base.model.diffusion_model.get_submodule(name).weight
+        assert isinstance(w, QuantizedTensor) and w.layout == layout and w.qdata.dtype == dtype, name
+        assert torch.equal(after[name][0], qbytes), f"{name}: int8 bytes differ after unpatching"
+        assert torch.equal(after[name][1], scale), f"{name}: scale differs after unpatching"
