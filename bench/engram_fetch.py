@@ -14,6 +14,13 @@ by side:
   ref    a re-implementation of the reference's gather: one masked full-width pass per peer
          (`index_select` of all ids from each peer with foreign ids redirected to row 0, then `where`)
 
+Host tier (`--tier host` or `all`): the table written to a table file in a temp folder and memory-mapped
+(HostRowStore / HostEngramBuffer, one copy per machine), every row paged in once before timing, and timed
+side by side with `floor`: one `index_select` of the same rows (and scales) from a plain in-memory copy.
+On CUDA the host tier gathers on the host and copies asynchronously: both it and its floor (a host
+select into pinned memory, then the copy) are timed on the wall clock up to a synchronize. Target on the
+CPU: host/floor <= 1.2. The temp files are deleted at the end.
+
 Before timing, every case checks the fetch bit for bit against an independent gather (rows and scale
 factors; ~1% dead ids and a few past the table). CPU cases: BF16 as before; CUDA cases: 1, 2, 4 and 8
 ranks on hidden 1024 BF16 and hidden 7168 FP8 + UE8M0. On CUDA every function is captured in a CUDA
@@ -21,7 +28,7 @@ graph (the fetch never synchronizes the host, so it can be) and replays are time
 GPU time, without the host's launch overhead, for the floor and ours alike. GB/s counts the bytes
 written (rows + scale factors).
 Prints a table and, last, one JSON line with every ratio.
-Run: `python bench/engram_fetch.py [--device cpu|cuda] [--quick]`.
+Run: `python bench/engram_fetch.py [--device cpu|cuda] [--quick] [--tier ranks|host|all]`.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -38,6 +46,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".host", "pkg"))
 
 from fp8_engram.engram.group import EngramGroup  # noqa: E402
+from fp8_engram.engram.host_tier import HostRowStore  # noqa: E402
+
+from _engram_tables import write_random_table_file  # noqa: E402
 
 ENTRIES = 16
 
@@ -211,13 +222,92 @@ def run_case(ranks: int, hidden: int, fp8: bool, rows_per_rank: int, tokens: int
         group.close()
 
 
+def run_host_case(hidden: int, fp8: bool, rows: int, tokens: int, repeats: int, device: str, folder: str) -> dict:
+    """The host tier (a mapped table file) vs one index_select from a plain in-memory copy."""
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    path = os.path.join(folder, f"host_{hidden}_{int(fp8)}_{rows}.safetensors")
+    write_random_table_file(path, [rows], hidden, dtype, seed=hidden + rows)
+    store = HostRowStore.from_table_file(path)
+    try:
+        buffer = store.buffer(num_max_tokens=tokens, num_entries_per_token=ENTRIES, device=device)
+        table = store.table
+        g = torch.Generator().manual_seed(1)
+        # Page every row in (steady state: a served table is resident) and take the floor's plain copy.
+        floor_words = table.table_words[0].clone()
+        floor_sf = table.sf_words[0].clone() if fp8 else None
+        indices = torch.randint(0, rows, (1, tokens, ENTRIES), generator=g, dtype=torch.int32)
+        indices.view(-1)[::97] = -1  # ~1% dead tokens
+        indices.view(-1)[5::997] = rows  # and a few ids past the table
+        flat = indices.view(-1)
+        valid = (flat >= 0) & (flat < rows)
+        floor_ids = torch.where(valid, flat, 0).to(torch.int64)
+        cuda = device == "cuda"
+        expect = floor_words.index_select(0, floor_ids)
+        expect[~valid] = 0
+        result = buffer.fetch(indices)[0]()
+        got = result[0] if fp8 else result
+        assert torch.equal(got.cpu().view(torch.uint8).view(-1, expect.shape[1] * expect.element_size()), expect.view(torch.uint8)), "host-tier rows differ from the independent gather"
+        if fp8:
+            expect_sf = floor_sf.index_select(0, floor_ids)
+            expect_sf[~valid] = 0
+            assert torch.equal(result[1].cpu().contiguous().view(torch.uint8).view(expect_sf.shape[0], -1), expect_sf.view(torch.uint8)), "host-tier scales differ"
+        pinned = {}
+
+        def floor():
+            data = floor_words.index_select(0, floor_ids)
+            sf = floor_sf.index_select(0, floor_ids) if fp8 else None
+            if cuda:  # the same bytes to the GPU from pinned memory
+                if "data" not in pinned:
+                    pinned["data"] = torch.empty_like(data).pin_memory()
+                    pinned["sf"] = torch.empty_like(sf).pin_memory() if fp8 else None
+                torch.index_select(floor_words, 0, floor_ids, out=pinned["data"])
+                out = pinned["data"].to(device, non_blocking=True)
+                if fp8:
+                    torch.index_select(floor_sf, 0, floor_ids, out=pinned["sf"])
+                    out = (out, pinned["sf"].to(device, non_blocking=True))
+                torch.cuda.synchronize()
+                return out
+            return data, sf
+
+        def host():
+            out = buffer.fetch(indices)[0]()
+            if cuda:
+                torch.cuda.synchronize()
+            return out
+
+        times = timed_side_by_side({"floor": floor, "host": host}, repeats, "cpu")
+        times.pop("_eager")
+        moved = tokens * ENTRIES * (hidden * dtype.itemsize + (table.num_sf_packs * 4 if fp8 else 0))
+        return {
+            "tier": "host",
+            "device": device,
+            "dtype": "fp8+ue8m0" if fp8 else "bf16",
+            "hidden": hidden,
+            "rows": rows,
+            "table_mib": round(table.num_bytes / 2**20, 1),
+            "tokens": tokens,
+            "floor_ms": times["floor"] * 1e3,
+            "host_ms": times["host"] * 1e3,
+            "host_over_floor": times["host"] / times["floor"],
+            "floor_gbps": moved / times["floor"] / 1e9,
+            "host_gbps": moved / times["host"] / 1e9,
+        }
+    finally:
+        store.close()
+        os.unlink(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="CPU ranks, or CUDA ranks (sharing the GPU if there is one)")
     parser.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     parser.add_argument("--ranks", default=None, help="comma-separated rank counts (default 1,2,4 on the CPU, 1,2,4,8 on CUDA)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 9 on the CPU, 25 on CUDA)")
+    parser.add_argument("--tier", choices=["ranks", "host", "all"], default="all", help="device ranks (EngramGroup), the host tier, or both")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's); 1 keeps a loaded machine's thread stalls out of small ops")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
     cuda = args.device == "cuda"
@@ -234,6 +324,27 @@ def main() -> None:
         if cuda:
             cases.append((7168, True, 1 << 12, 512))
     results = []
+    host_results = []
+    if args.tier in ("host", "all"):
+        # (hidden, fp8, rows, tokens): 512 MiB tables (plus the floor's 512 MiB copy) and DeepSeek's FP8 rows.
+        host_cases = [(256, False, 1 << 20, 4096), (1024, False, 1 << 18, 2048), (2048, True, 1 << 18, 4096), (7168, True, 1 << 16, 4096)]
+        if args.quick:
+            host_cases = [(256, False, 1 << 16, 512), (2048, True, 1 << 13, 512)]
+        header = f"{'tier':>5} {'dtype':>9} {'hidden':>6} {'rows':>8} {'MiB':>7} {'tokens':>6} {'floor ms':>9} {'host ms':>8} {'host/floor':>10} {'floor GB/s':>10} {'host GB/s':>9}"
+        print(header)
+        print("-" * len(header))
+        with tempfile.TemporaryDirectory(prefix="engram_fetch_host_", dir=os.environ.get("ENGRAM_BENCH_DIR")) as folder:
+            for hidden, fp8, rows, tokens in host_cases:
+                r = run_host_case(hidden, fp8, rows, tokens, repeats, args.device, folder)
+                host_results.append(r)
+                print(
+                    f"{'host':>5} {r['dtype']:>9} {r['hidden']:>6} {r['rows']:>8} {r['table_mib']:>7} {r['tokens']:>6} {r['floor_ms']:>9.3f} "
+                    f"{r['host_ms']:>8.3f} {r['host_over_floor']:>10.3f} {r['floor_gbps']:>10.1f} {r['host_gbps']:>9.1f}",
+                    flush=True,
+                )
+        print()
+    if args.tier == "host":
+        ranks_list = []
     header = (
         f"{'ranks':>5} {'dtype':>9} {'hidden':>6} {'rows/rank':>9} {'tokens':>6} {'floor ms':>9} {'ours ms':>8} {'ref ms':>8} "
         f"{'ours/floor':>10} {'ref/ours':>8} {'floor GB/s':>10} {'ours GB/s':>9}"
@@ -251,16 +362,20 @@ def main() -> None:
             )
     summary = {
         "bench": "engram_fetch",
+        "tier": args.tier,
         "device": args.device,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "entries_per_token": ENTRIES,
         "target_ours_over_floor": 1.3 if cuda else None,
-        "max_ours_over_floor": max(r["ours_over_floor"] for r in results),
+        "max_ours_over_floor": max((r["ours_over_floor"] for r in results), default=None),
         "max_ours_over_floor_by_ranks": {str(k): max(r["ours_over_floor"] for r in results if r["ranks"] == k) for k in ranks_list},
         "min_ref_over_ours_at_4_ranks": min((r["ref_over_ours"] for r in results if r["ranks"] == 4), default=None),
+        "target_host_over_floor": 1.2 if not cuda else None,
+        "max_host_over_floor": max((r["host_over_floor"] for r in host_results), default=None),
         "cases": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in results],
+        "host_cases": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in host_results],
     }
     print(json.dumps(summary))
 

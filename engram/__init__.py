@@ -13,6 +13,8 @@ _LAZY = {
     "LocalEngramBuffer": ".buffer",
     "EngramGroup": ".group",
     "EngramWorkerError": ".group",
+    "HostEngramBuffer": ".host_tier",
+    "HostRowStore": ".host_tier",
     "TableFile": ".table_file",
     "TableFileError": ".table_file",
     "write_table_file": ".table_file",

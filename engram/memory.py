@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -322,6 +323,29 @@ class EngramMemory:
             out[layer, p.rows] = self.hasher.hash_layer(layer, compressed)
         return out
 
+    def prefetch(self, tokens: Mapping[str, Any]) -> Future:
+        """Start the lookup of `tokens` (hash + fetch, all known from the token ids) on a thread, so that it
+        runs while the text encoder does; `.result()` gives what `values(tokens)` gives. The thread runs
+        in the caller's inference mode; an error comes out of `.result()`."""
+        inference = torch.is_inference_mode_enabled()
+
+        def lookup():
+            with torch.inference_mode(inference):
+                return self.values(tokens)
+
+        return _prefetch_pool().submit(lookup)
+
+    def lookup_beside(self, tokens: Mapping[str, Any], work: Callable[[], Any]) -> tuple[Any, tuple]:
+        """(work(), the lookup of `tokens`), the lookup running on a thread while `work` (the text
+        encoder) runs here. When `work` raises, the lookup is waited for and the error propagates."""
+        pending = self.prefetch(tokens)
+        try:
+            result = work()
+        except BaseException:
+            wait([pending])
+            raise
+        return result, pending.result()
+
     def values(self, tokens: Mapping[str, Any]) -> tuple[list[StreamTokens], list[torch.Tensor], list[torch.Tensor]]:
         """(placed streams, memory values v per stream float32 [n, width], fetched rows per stream)."""
         placed = self.place(tokens)
@@ -340,14 +364,16 @@ class EngramMemory:
             values.append(combine(rows, p.stream.width))
         return placed, values, per_stream
 
-    def apply(self, cond: torch.Tensor, tokens: Mapping[str, Any], strength: float = 1.0, gate: bool | None = None) -> torch.Tensor:
-        """CONDITIONING with the memory injected (a new tensor; bit-identical where nothing is stored)."""
-        placed, values, _ = self.values(tokens)
+    def apply(self, cond: torch.Tensor, tokens: Mapping[str, Any], strength: float = 1.0, gate: bool | None = None,
+              looked_up: tuple | None = None) -> torch.Tensor:
+        """CONDITIONING with the memory injected (a new tensor; bit-identical where nothing is stored).
+        `looked_up`: what `values(tokens)` (or a `prefetch(tokens)`) returned, to skip the lookup."""
+        placed, values, _ = looked_up if looked_up is not None else self.values(tokens)
         self._check_cond(cond, placed)
         return inject(cond, placed, values, strength, self.config.gate if gate is None else gate)
 
-    def hits(self, tokens: Mapping[str, Any]) -> list[Hit]:
-        placed, values, fetched = self.values(tokens)
+    def hits(self, tokens: Mapping[str, Any], looked_up: tuple | None = None) -> list[Hit]:
+        placed, values, fetched = looked_up if looked_up is not None else self.values(tokens)
         out = []
         for p, v, rows in zip(placed, values, fetched):
             written = (rows != 0).any(dim=-1)  # [n, entries]
@@ -500,6 +526,18 @@ class EngramMemory:
         if self.state.closed_reason is None:
             self.state.closed_reason = reason
         self.store.close()
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _prefetch_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-prefetch")
+        return _pool
 
 
 def _pid_gone(pid: int) -> bool:

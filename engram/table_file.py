@@ -268,6 +268,19 @@ class TableFile:
         if got_dtype != _ST_DTYPES[dtype] or got_shape != shape:
             raise TableFileError(f"{self.path}: key {key!r} is {got_dtype} {got_shape}, expected {_ST_DTYPES[dtype]} {shape}")
 
+    def byte_range(self, key: str) -> tuple[int, int]:
+        """(first byte, end) of a tensor's data in the file, as absolute file offsets (for memory maps)."""
+        if not hasattr(self, "_offsets"):
+            with open(self.path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            self._offsets = {k: (8 + n + int(v["data_offsets"][0]), 8 + n + int(v["data_offsets"][1]))
+                             for k, v in header.items() if k != "__metadata__"}
+        try:
+            return self._offsets[key]
+        except KeyError:
+            raise TableFileError(f"{self.path}: key {key!r} is missing") from None
+
     def check_geometry(self, rows_per_layer: Sequence[int], hidden: int, table_dtype: torch.dtype, *, allow_fewer_rows: bool = False) -> None:
         """Raise TableFileError unless the file's tables fit the given geometry.
 

@@ -25,6 +25,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES, EngramWorkerError
+from ..engram.host_tier import PLACEMENTS, HostRowStore, choose_placement, table_bytes
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
 from ..engram.store import LocalRowStore
 from ..engram.streams import family_layout
@@ -427,7 +428,36 @@ def cuda_rank_devices(gpu_ranks: int, device_count: int) -> list[int]:
     return [r % device_count for r in range(count)]
 
 
-def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int, gpu_ranks: int = 0):
+def _device_free_bytes(devices: str) -> int:
+    """Free memory where `device` placement would put the tables: every GPU's, or the machine's RAM."""
+    if devices == "auto" and torch.cuda.is_available():
+        return sum(int(comfy.model_management.get_free_memory(torch.device("cuda", i))) for i in range(torch.cuda.device_count()))
+    return int(comfy.model_management.get_free_memory(torch.device("cpu")))
+
+
+def _resolve_placement(placement: str, rows_per_layer: list[int], hidden: int, dtype: torch.dtype, devices: str) -> str:
+    """"device" or "host" (auto: the device when the tables take at most half of its free memory)."""
+    if placement != "auto":
+        return choose_placement(placement, 0, None)
+    return choose_placement("auto", table_bytes(rows_per_layer, hidden, dtype), _device_free_bytes(devices))
+
+
+def _placement_text(memory: EngramMemory) -> str:
+    """One line for a node's summary: where the memory's rows live."""
+    store = memory.store
+    size = table_bytes(store.rows_per_layer, store.hidden, store.table_dtype) / 2**30
+    if isinstance(store, HostRowStore):
+        where = (f"the table file mapped read-only ({os.path.basename(store.source)}), shared by every process that loads it"
+                 if store.source else "a shared-memory segment")
+        return f"placement: host ({size:.2f} GiB in {where}; fetched rows are paged in)"
+    ranks = getattr(store, "num_ranks", 1)
+    device = getattr(store, "device", "cpu")
+    return f"placement: device ({size:.2f} GiB over {ranks} {str(device).split(':')[0].upper()} rank(s))"
+
+
+def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int, gpu_ranks: int = 0, placement: str = "device"):
+    if placement == "host":
+        return HostRowStore.new(rows_per_layer_fn(1), hidden, dtype)
     if devices == "auto" and torch.cuda.is_available():
         from ..engram.group import EngramGroup
 
@@ -453,6 +483,11 @@ _CPU_RANKS_TOOLTIP = ("CPU processes holding the shards when no GPU is used (1 =
                       "counted once. A count that the machine's available memory cannot hold is refused.")
 _DEVICES_TOOLTIP = ("auto: shards on the GPUs (gpu_ranks processes; one per GPU by default), or cpu_ranks CPU processes "
                     "when there is no GPU; cpu: cpu_ranks CPU processes.")
+_PLACEMENT_TOOLTIP = ("Where the rows live. device: on the devices chosen by `devices` (GPU memory, or CPU processes). "
+                      "host: in host memory, one copy per machine (a loaded table file is memory-mapped and shared by every "
+                      "process that loads it, and only fetched rows are read), fetched while the text encoder runs; for "
+                      "memories bigger than the GPUs. auto: the device when the tables take at most half of its free memory, "
+                      "else host.")
 
 
 _HEALTH_PERIOD_S = 0.25  # how often a long node (Engram Train) looks at its memory's workers
@@ -522,19 +557,20 @@ class NewEngramMemory(io.ComfyNode):
                 io.Boolean.Input("context_gate", default=False, tooltip="Scale each token's memory value by how well it agrees with the token's conditioning."),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False, tooltip="Seed of the hash multipliers (a memory is only valid with its seed)."),
                 io.Int.Input("gpu_ranks", default=0, min=0, max=64, optional=True, tooltip=_GPU_RANKS_TOOLTIP),
+                io.Combo.Input("placement", options=list(PLACEMENTS), default="auto", optional=True, tooltip=_PLACEMENT_TOOLTIP),
             ],
             outputs=[EngramMemoryType.Output(display_name="memory", tooltip="The empty engram memory.")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks=0, **kwargs):
+    def fingerprint_inputs(cls, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks=0, placement="auto", **kwargs):
         # A memory this node made and that was written since (Memorize, Train) is no longer the empty
         # memory this node promises: run again (reusing and clearing its tables) so the graph's result
         # does not depend on what earlier runs wrote. A memory that was closed or lost a worker must not
         # be served from ComfyUI's cache either: run again to build a new one.
         gpu_ranks = gpu_ranks or 0  # absent (a graph saved before the input existed) is the default
-        settings = _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks)
+        settings = _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks, placement or "auto")
         memory = _by_settings.get((_current_node_id(), settings))
         if memory is None:
             return "clean"
@@ -545,13 +581,15 @@ class NewEngramMemory(io.ComfyNode):
         return "clean"
 
     @classmethod
-    def execute(cls, clip, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks=0) -> io.NodeOutput:
+    def execute(cls, clip, max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks=0, placement="auto") -> io.NodeOutput:
         node_id = cls.hidden.unique_id
         gpu_ranks = gpu_ranks or 0
+        requested = placement or "auto"
         layout = _clip_layout(clip)
         tokenizers = _clip_tokenizers(clip)
         config, vocabs = make_config(layout, tokenizers, max_order=max_order, heads=heads, rows_per_head=rows_per_head, seed=seed, gate=context_gate)
-        key = ("new", config.to_metadata().__repr__(), dtype, devices, cpu_ranks, gpu_ranks)
+        placement = _resolve_placement(requested, config.rows_per_layer(1), config.hidden, _DTYPES[dtype], devices)
+        key = ("new", config.to_metadata().__repr__(), dtype, devices, cpu_ranks, gpu_ranks, placement)
 
         def wrap(store, state=None):
             memory = EngramMemory(config, store, vocabs)
@@ -561,7 +599,7 @@ class NewEngramMemory(io.ComfyNode):
             return _adopt(memory, node_id, key)
 
         def make():
-            store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks)
+            store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks, placement)
             try:
                 # A cancel that arrived while the tables were built: drop them (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
@@ -575,9 +613,9 @@ class NewEngramMemory(io.ComfyNode):
 
         memory, lost = _replace_live(node_id, key, make, reuse, wrap)
         memory.clean_version = memory.version
-        _by_settings[(str(node_id), _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks))] = memory
+        _by_settings[(str(node_id), _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks, requested))] = memory
         _bind(memory, clip)
-        text = repr(memory)
+        text = f"{memory!r}\n{_placement_text(memory)}"
         if lost is not None and lost.startswith("lost"):
             logger.warning("engram: the memory of New Engram Memory (node %s) was %s; made a new empty one", node_id, lost)
             text = (f"The previous memory of this node was {lost}; this is a new empty memory, and what was written "
@@ -614,18 +652,21 @@ class LoadEngramMemory(io.ComfyNode):
                 io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip=_CPU_RANKS_TOOLTIP),
                 io.Int.Input("gpu_ranks", default=0, min=0, max=64, optional=True, tooltip=_GPU_RANKS_TOOLTIP),
                 io.Clip.Input("clip", optional=True, tooltip="Optional: the CLIP the memory was made with (checked now instead of at first use)."),
+                io.Combo.Input("placement", options=list(PLACEMENTS), default="auto", optional=True, tooltip=_PLACEMENT_TOOLTIP),
             ],
             outputs=[EngramMemoryType.Output(display_name="memory", tooltip="The loaded engram memory.")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, memory_name, devices="auto", cpu_ranks=1, gpu_ranks=0, **kwargs):
+    def fingerprint_inputs(cls, memory_name, devices="auto", cpu_ranks=1, gpu_ranks=0, placement="auto", **kwargs):
         path = folder_paths.get_full_path(FOLDER, memory_name)
         if not path or not os.path.exists(path):
             return float("nan")
         mtime = os.path.getmtime(path)
-        memory = _live_memory(_current_node_id(), ("load", path, mtime, devices, cpu_ranks, gpu_ranks or 0))
+        live = _live_memory(_current_node_id())
+        settings = (path, mtime, devices, cpu_ranks, gpu_ranks or 0, placement or "auto")
+        memory = live if live is not None and getattr(live, "load_settings", None) == settings else None
         if memory is None:
             return mtime
         if _problem(memory) is not None:
@@ -635,13 +676,17 @@ class LoadEngramMemory(io.ComfyNode):
         return mtime
 
     @classmethod
-    def execute(cls, memory_name, devices, cpu_ranks, clip=None, gpu_ranks=0) -> io.NodeOutput:
+    def execute(cls, memory_name, devices, cpu_ranks, clip=None, gpu_ranks=0, placement="auto") -> io.NodeOutput:
         node_id = cls.hidden.unique_id
         gpu_ranks = gpu_ranks or 0
+        requested = placement or "auto"
         path = folder_paths.get_full_path_or_raise(FOLDER, memory_name)
         config, geometry = config_from_table_file(path)
         dtype = torch.float8_e4m3fn if geometry.get("dtype") == "float8_e4m3fn" else torch.bfloat16
-        key = ("load", path, os.path.getmtime(path), devices, cpu_ranks, gpu_ranks)
+        rows = [int(n) for n in geometry.get("rows_per_layer") or config.rows_per_layer(1)]
+        placement = _resolve_placement(requested, rows, config.hidden, dtype, devices)
+        mtime = os.path.getmtime(path)
+        key = ("load", path, mtime, devices, cpu_ranks, gpu_ranks, placement)
 
         def wrap(store, state=None):
             memory = EngramMemory(config, store)
@@ -650,14 +695,19 @@ class LoadEngramMemory(io.ComfyNode):
             memory.mark_untracked()
             memory.name = f"the memory {memory_name}"
             memory.source = path
+            memory.load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
             return _adopt(memory, node_id, key)
 
         def make():
-            store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks)
+            if placement == "host":  # mapped, not read: the store is ready at once
+                store = HostRowStore.from_table_file(path)
+            else:
+                store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks)
             try:
                 # A cancel before or during the load: drop the tables (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
-                store.load_table_file(path)
+                if placement != "host":
+                    store.load_table_file(path)
                 comfy.model_management.throw_exception_if_processing_interrupted()
                 return wrap(store)
             except BaseException:
@@ -673,10 +723,11 @@ class LoadEngramMemory(io.ComfyNode):
 
         memory, lost = _replace_live(node_id, key, make, reload, wrap)
         memory.clean_version = memory.version
+        memory.load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
         if clip is not None:
             with _serving("Load Engram Memory", memory):
                 _bind(memory, clip)
-        text = f"{memory_name}: {memory!r}"
+        text = f"{memory_name}: {memory!r}\n{_placement_text(memory)}"
         if lost is not None and lost.startswith("lost"):
             logger.warning("engram: the memory from %s was %s; rebuilt it from the file", memory_name, lost)
             text = f"Rebuilt from {memory_name}: the previous memory was {lost}.\n{text}"
@@ -723,14 +774,14 @@ class SaveEngramMemory(io.ComfyNode):
         return io.NodeOutput(memory, ui={"text": [f"saved {path} (version {memory.version})"]})
 
 
-def _hit_report(memory: EngramMemory, tokens: dict, clip=None) -> dict:
+def _hit_report(memory: EngramMemory, tokens: dict, clip=None, looked_up: tuple | None = None) -> dict:
     """UI data for the frontend: per stream, every word of the prompt, whether it hit written rows, and
     how strongly (norm of the memory value added to it):
     `engram_hits = [{stream, tokens: [{text, hit, strength, entries_hit, entries, row}]}]`."""
     decoders = _clip_tokenizers(clip) if clip is not None else {}
     token_key = {s.name: s.token_key for s in memory.config.layout.streams}
     streams: dict[str, list[dict]] = {}
-    for h in memory.hits(tokens):
+    for h in memory.hits(tokens, looked_up):
         tok = decoders.get(token_key[h.stream])
         text = tok.decode([h.token_id]).strip() if tok is not None else str(h.token_id)
         streams.setdefault(h.stream, []).append({
@@ -745,10 +796,10 @@ def _hit_report(memory: EngramMemory, tokens: dict, clip=None) -> dict:
     }
 
 
-def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dict, strength: float) -> list:
+def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dict, strength: float, looked_up: tuple | None = None) -> list:
     out = []
     for cond, extra in conditioning:
-        out.append([memory.apply(cond, tokens, strength), dict(extra)])
+        out.append([memory.apply(cond, tokens, strength, looked_up=looked_up), dict(extra)])
     return out
 
 
@@ -775,9 +826,10 @@ class EngramTextEncode(io.ComfyNode):
         with _serving("Engram Text Encode", memory):
             _bind(memory, clip)
             tokens = _tokenize(clip, text)
-            conditioning = _encode(clip, tokens)
-            out = _apply_to_conditioning(conditioning, memory, tokens, strength)
-            ui = _hit_report(memory, tokens, clip)
+            # The rows each token reads follow from its id alone: look them up while the encoder runs.
+            conditioning, looked_up = memory.lookup_beside(tokens, lambda: _encode(clip, tokens))
+            out = _apply_to_conditioning(conditioning, memory, tokens, strength, looked_up)
+            ui = _hit_report(memory, tokens, clip, looked_up)
         return io.NodeOutput(out, ui=ui)
 
 
@@ -808,8 +860,11 @@ class EngramApply(io.ComfyNode):
             if tokenize is None:
                 raise EngramMemoryError("connect the CLIP: this memory has not met its tokenizer yet")
             tokens = tokenize(text)
-            out = _apply_to_conditioning(conditioning, memory, tokens, strength)
-            ui = _hit_report(memory, tokens, clip if clip is not None else getattr(memory, "host_clip", None))
+            # The conditioning was encoded upstream (nothing left to hide the lookup behind): look up once,
+            # for the injection and the hit report alike.
+            looked_up = memory.values(tokens)
+            out = _apply_to_conditioning(conditioning, memory, tokens, strength, looked_up)
+            ui = _hit_report(memory, tokens, clip if clip is not None else getattr(memory, "host_clip", None), looked_up)
         return io.NodeOutput(out, ui=ui)
 
 

@@ -167,6 +167,8 @@ def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict
         mean = sum(db for _, db in layers) / len(layers)
         s["int8"] = {"layers": len(layers), "mean_sqnr_db": round(mean, 2), "min_sqnr_db": round(worst[1], 2),
                      "worst_layer": worst[0]}
+    if "nvfp4" in report.granularities and "weight-only" not in s["compute_path"]:
+        s["compute_path"] += "; nvfp4 layers weight-only"  # the fp4 x fp4 matmul is not used
     return s
 
 
@@ -350,7 +352,10 @@ class QuantizeModelToFP8(io.ComfyNode):
                 io.Model.Input("model", tooltip="The diffusion model to quantize."),
                 io.Combo.Input("granularity", options=list(GRANULARITIES), default="tensor",
                                tooltip="One scale per tensor (stock ComfyUI can read it when saved), per row "
-                               "(output channel), or per 128x128 block. 'int8 tensor' / 'int8 row convrot': int8 "
+                               "(output channel), per 128x128 block; mxfp8: e4m3fn (only) with a power-of-two scale per "
+                               "32 inputs (ComfyUI 0.29's form); nvfp4: 4-bit e2m1 values with an e4m3 scale per "
+                               "16 inputs (ComfyUI's NVFP4 form, about half of FP8's size; fp8_dtype is ignored). "
+                               "'int8 tensor' / 'int8 row convrot': int8 "
                                "weights (fp8_dtype is ignored) in ComfyUI 0.33's int8_tensorwise form, one scale per "
                                "tensor, or per channel with its 256-wide ConvRot rotation (better quality); they run "
                                "the int8 path where it is fast (or when the loader forces it)."),

@@ -25,7 +25,7 @@ import torch
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
 from ..quant import int8 as quant_int8
-from ..quant import mxfp8
+from ..quant import mxfp8, nvfp4
 from ..quant.layouts import release_workspace
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                     if isinstance(w, QuantizedTensor):
                         # 0.29 stores MXFP8 layers padded to multiples of 32; the model's size is the true one
                         w = mxfp8.at_shape(w, (self.out_features, self.in_features))
+                        w = nvfp4.at_shape(w, (self.out_features, self.in_features))  # NVFP4 files pad to 16
                         if w.config is None:
                             w = w.with_config(FP8Ops.fp8_config)
                         if (FP8Ops.int8_convert and w.config.path != "weight_only" and w.qdata.dim() == 2

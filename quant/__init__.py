@@ -11,13 +11,14 @@ from .config import ComputeConfig
 from .int8_layout import Int8
 from .layouts import FP8_DTYPES, Block, PerRow, PerTensor, QuantizationError, fp8_max
 from .mxfp8 import MXFP8
+from .nvfp4 import NVFP4
 from .tensor import QuantizedTensor, _rebuild_quantized_tensor
 from . import dispatch as _dispatch  # noqa: F401  (fills the op tables)
 from .linear import fp8_supported, linear
 
 # torch.load(weights_only=True) may rebuild these
 torch.serialization.add_safe_globals(
-    [QuantizedTensor, _rebuild_quantized_tensor, PerTensor, PerRow, Block, MXFP8, Int8, ComputeConfig]
+    [QuantizedTensor, _rebuild_quantized_tensor, PerTensor, PerRow, Block, MXFP8, NVFP4, Int8, ComputeConfig]
 )
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "Block",
     "MXFP8",
     "Int8",
+    "NVFP4",
     "ComputeConfig",
     "QuantizationError",
     "FP8_DTYPES",

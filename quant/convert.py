@@ -64,7 +64,7 @@ def convert_file(src, dst, *, granularity: str = "tensor", fp8_dtype="e4m3fn", k
                 plan[key] = t
                 continue
 
-            lay, data_dtype = fit_layout(layout, tuple(t.shape), fp8)  # int8 layouts store int8
+            lay, data_dtype = fit_layout(layout or make_layout(granularity, block, t.shape), tuple(t.shape), fp8)  # int8 layouts store int8
 
             def make(key=key, t=t, name=name, lay=lay, data_dtype=data_dtype):
                 src_w = t.dequantize(torch.float32) if save.is_quantized(t) else t
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", action="store_true", help="with --info: list every quantized layer")
     p.add_argument("--granularity", choices=GRANULARITIES, default="tensor",
                    help="scale granularity (tensor: stock ComfyUI reads it; row/block: better quality, this pack only; "
+                   "mxfp8 / nvfp4: ComfyUI's own forms (0.29 and newer), e4m3fn data / 4-bit e2m1 data; "
                    "'int8 tensor' / 'int8 row convrot': int8 weights in ComfyUI 0.33's int8_tensorwise form)")
     p.add_argument("--block", type=parse_block, default=(128, 128), help="block size for --granularity block (ROWSxCOLS)")
     p.add_argument("--dtype", choices=("e4m3fn", "e5m2"), default="e4m3fn", help="FP8 element type")

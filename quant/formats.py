@@ -23,6 +23,8 @@ Formats (see DESIGN.md):
 | `weight_scale`         | `.weight_scale` (+ `.input_scale`) without ComfyUI metadata: modelopt, |
 |                        | diffusers, compressed-tensors                                          |
 | `blockwise_scale_inv`  | `.weight_scale_inv` per block (DeepSeek style, 128x128)                |
+| (per layer) nvfp4      | `.comfy_quant` `{"format": "nvfp4"}`: packed e2m1 `.weight` (uint8),   |
+|                        | e4m3 `.weight_scale` (tiled), `.weight_scale_2` (quant/nvfp4.py)       |
 
 Every scale multiplies: `w = fp8 * expand(scale)`. Block scales are read only with the block sizes of
 `KNOWN_BLOCKS` or the one the file declares, and scales that would overflow the compute dtype are
@@ -579,9 +581,10 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     T = hdr.tensors
     consumed: set[str] = set()
 
+    nv_layers = _detect_nvfp4(path, hdr, rd)  # ComfyUI's NVFP4 layers (their own keys and checks)
     for key in T:
         for suf in _UNSUPPORTED_SUFFIXES:
-            if key.endswith(suf):
+            if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
                 raise _err(path, key, f"this file uses a quantization scheme this pack does not read ('{suf}' keys, "
                            "e.g. int4/nvfp4/zero points)", "an FP8 checkpoint (float8 weights with float scales)")
 
@@ -615,6 +618,8 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
             if not isinstance(entry, dict):
                 raise _err(path, f"{mk}.layers.{name}", f"layer entry is {type(entry).__name__} {entry!r}, not an object",
                            '{"format": "float8_e4m3fn"} (the plain-string form crashes ComfyUI 0.3.75)')
+            if entry.get("format") == "nvfp4" and name + ".weight" in nv_layers:
+                continue  # read above, with its own checks
             if not isinstance(entry.get("format"), str) or entry.get("format") not in COMFY_FORMATS:
                 raise _err(path, f"{mk}.layers.{name}", f"unsupported layer format {_short(entry.get('format'))}",
                            "'float8_e4m3fn', 'float8_e5m2' or 'mxfp8'")
@@ -645,11 +650,13 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
                     raise _err(path, key, f"'{suf}' entry without a weight", f"a tensor '{wk}'")
                 break
 
-    layers: dict[str, LayerInfo] = {}
-    scales: dict[str, torch.Tensor] = {}
+    layers: dict[str, LayerInfo] = {wk: info for wk, (info, _) in nv_layers.items()}
+    scales: dict[str, torch.Tensor] = {wk: scale for wk, (_, scale) in nv_layers.items()}
     input_scales: dict[str, torch.Tensor] = {}
+    for info in layers.values():
+        consumed.update((info.scale_key,) + info.consumed)
 
-    for wk in sorted(weight_keys):
+    for wk in sorted(weight_keys - set(nv_layers)):
         e = T[wk]
         name = _layer_name(wk)
         present = [s for s in _SCALE_SUFFIXES if name + s in T]
@@ -812,7 +819,9 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
             continue
         if k.endswith(".weight") and len(e.shape) == 2:
             linear += 1
-        if e.dtype in FLOAT_DTYPES or e.dtype in FP8_DTYPES:
+        if k in layers and layers[k].granularity == "nvfp4":
+            bf16 += e.numel * 4  # two 4-bit values per byte
+        elif e.dtype in FLOAT_DTYPES or e.dtype in FP8_DTYPES:
             bf16 += e.numel * 2
         elif k in layers:  # an int8 (or packed 4-bit) weight: its logical size in bf16
             bf16 += math.prod(layers[k].shape) * 2
@@ -821,7 +830,10 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     stock = all(i.granularity == "tensor" and i.source in (PLAIN, COMFY_SCALED, COMFY_METADATA) and
                 (i.source != COMFY_METADATA or i.fp8_dtype == torch.float8_e4m3fn) for i in layers.values())
     notes = []
-    if any(i.granularity == "mxfp8" for i in layers.values()):
+    if any(i.granularity == "nvfp4" for i in layers.values()):
+        notes.append("nvfp4 layers (ComfyUI's own form): stock ComfyUI 0.29 and newer read them, older ones "
+                     "cannot; this pack runs them weight-only")
+    elif any(i.granularity == "mxfp8" for i in layers.values()):
         notes.append("mxfp8 layers (ComfyUI 0.29's own form): stock ComfyUI 0.29 and newer read them, 0.3.75 cannot "
                      "(for it, quantize per tensor)")
     elif any(i.layout is not None for i in layers.values()):
@@ -835,10 +847,67 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     return FormatReport(
         path=hdr.path, format=name, formats=formats, layers_quantized=len(layers), linear_weights=linear,
         bytes_on_disk=hdr.file_size, bytes_bf16=bf16,
-        fp8_dtypes=sorted({_fp8_name(i.fp8_dtype) for i in layers.values()}), granularities=grans,
+        fp8_dtypes=sorted({"e2m1" if i.granularity == "nvfp4" else _fp8_name(i.fp8_dtype) for i in layers.values()}),
+        granularities=grans,
         fp8_matmul_allowed=fp8_mm, layers=sorted(layers.values(), key=lambda i: i.name), notes=notes,
         stock_comfy_readable=stock,
     )
+
+
+def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader) -> dict:
+    """The layers of a file in ComfyUI's NVFP4 form (see quant/nvfp4.py): a `.comfy_quant` or an entry of
+    `_quantization_metadata` (which ComfyUI turns into `.comfy_quant`) says "nvfp4". Returns
+    {weight key: (LayerInfo, the QuantizedTensor's scale bytes)}; reads only scales and JSON."""
+    from .layouts import QuantizationError
+    from .nvfp4 import GROUP, scales_from_file
+
+    T = hdr.tensors
+    confs: dict[str, tuple[dict, str]] = {}  # layer -> (its JSON, format name)
+    qm_text = hdr.metadata.get(QUANT_METADATA_KEY, "")
+    if "nvfp4" in qm_text:
+        qm = _parse_json_metadata(path, f"__metadata__.{QUANT_METADATA_KEY}", qm_text, "quantization metadata JSON")
+        layers = qm.get("layers") if isinstance(qm, dict) else None
+        for name, entry in (layers.items() if isinstance(layers, dict) else ()):
+            if isinstance(entry, dict) and entry.get("format") == "nvfp4":
+                confs[name] = (entry, COMFY_METADATA)
+    for cq_key, ce in T.items():
+        if not cq_key.endswith(".comfy_quant") or ce.dtype != torch.uint8 or len(ce.shape) != 1 \
+                or ce.nbytes > MAX_COMFY_QUANT_BYTES:
+            continue  # anything malformed is reported by the general reader
+        raw = rd.get(cq_key).numpy().tobytes()
+        if b"nvfp4" not in raw:
+            continue
+        cq = _loads(path, cq_key, raw, 'uint8 bytes of a JSON object like {"format": "nvfp4"}')
+        if isinstance(cq, dict) and cq.get("format") == "nvfp4":
+            name = cq_key[: -len(".comfy_quant")]
+            confs[name] = (cq, COMFY_METADATA if name in confs else COMFY_PER_LAYER)
+
+    found = {}
+    for name, (cq, source) in sorted(confs.items()):
+        cq_key = name + ".comfy_quant"
+        wk, sk, s2k = name + ".weight", name + ".weight_scale", name + ".weight_scale_2"
+        for key in (wk, sk, s2k):
+            if key not in T:
+                raise _err(path, key, "missing tensor of an NVFP4 layer (the file says the layer is nvfp4)",
+                           f"'{wk}' (uint8 packed e2m1), '{sk}' (e4m3 block scales) and '{s2k}' (float32 scale)")
+        if name + ".pre_quant_scale" in T:
+            raise _err(path, name + ".pre_quant_scale", "NVFP4 layers with a pre-quantization input scale (AWQ "
+                       "smoothing) are not supported", "an NVFP4 layer without '.pre_quant_scale'")
+        e = T[wk]
+        if e.dtype != torch.uint8 or len(e.shape) != 2 or e.shape[0] % GROUP or (2 * e.shape[1]) % GROUP:
+            raise _err(path, wk, f"NVFP4 weight has dtype {_fp8_name(e.dtype)} and shape {list(e.shape)}",
+                       f"uint8 [R, C / 2] with R and C multiples of {GROUP}")
+        try:
+            _, scale = scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
+        except QuantizationError as exc:
+            raise _err(path, sk, f"bad NVFP4 scales ({exc})",
+                       "e4m3 block scales in cuBLAS's 128x4 tiled order and one finite float32 scale > 0") from exc
+        extra = [s2k] + [k for k in [cq_key] + [name + s for s in _INPUT_SCALE_SUFFIXES] if k in T]
+        shape = (int(e.shape[0]), int(e.shape[1]) * 2)
+        info = LayerInfo(name, source, "nvfp4", None, torch.uint8, shape, wk, sk, None,
+                         bool(cq.get("full_precision_matrix_mult", False)), tuple(extra))
+        found[wk] = (info, scale)
+    return found
 
 
 def inspect_file(path) -> FormatReport:
@@ -936,6 +1005,10 @@ def make_layout(info: LayerInfo):
         from .mxfp8 import MXFP8
 
         return MXFP8()
+    if info.granularity == "nvfp4":  # the stored (padded) shape; the model's Linear gives the true one
+        from .nvfp4 import NVFP4
+
+        return NVFP4(*info.shape)
     if info.granularity == "tensor":
         return PerTensor()
     if info.granularity == "row":

@@ -33,6 +33,7 @@ __all__ = [
     "fp8_to",
     "workspace",
     "release_workspace",
+    "tracing",
 ]
 
 
@@ -104,6 +105,18 @@ def workspace(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def release_workspace() -> None:
     """Free this thread's reusable buffers (they are re-made on demand)."""
     _workspace.bufs = {}
+
+
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def tracing() -> bool:
+    """True while torch.compile traces (fake tensors). Then nothing may be cached across calls or
+    written into a reused buffer: such a tensor, real or made under one compile's fake mode, is
+    what makes the compiler fail ("Mixing fake modes", "convert all Tensors to FakeTensors")."""
+    # is_compiling() covers the whole compile session on torch 2.14; older torch sets it only in
+    # Dynamo-traced frames, not in a subclass's handlers, hence the fake-mode check as well
+    return torch.compiler.is_compiling() or torch._C._get_dispatch_mode(_FAKE_MODE) is not None
 
 
 def _all_codes(fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -223,7 +236,7 @@ class PerTensor:
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        if q.device.type != "cpu":
+        if q.device.type != "cpu" or tracing():
             return _off_cpu(q, scale, None, dtype, out)
         return fp8_to(q, dtype, scale, out)
 
@@ -255,7 +268,7 @@ class PerRow:
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        if q.device.type != "cpu":
+        if q.device.type != "cpu" or tracing():
             return _off_cpu(q, scale, (1, q.shape[1]), dtype, out)
         return _dequantize_scaled(q, scale, 1, q.shape[1], dtype, out)
 
@@ -315,7 +328,7 @@ class Block:
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        if q.device.type != "cpu":
+        if q.device.type != "cpu" or tracing():
             return _off_cpu(q, scale, (self.rows, self.cols), dtype, out)
         return _dequantize_scaled(q, scale, self.rows, self.cols, dtype, out)
 
@@ -328,8 +341,14 @@ def _off_cpu(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype,
     """Dequantization on CUDA (and any device but the CPU): one pass in ``kernels.dequant``
     (Triton where it runs, torch ops otherwise) that rounds exactly like the CPU code above, so a
     weight gives the same bits on every device. Plain torch ops would not: on CUDA a bf16 tensor
-    times a float32 0-d tensor rounds the scale to bf16 first, while the CPU keeps it float32."""
-    from .kernels import dequantize  # the kernels package is only needed off the CPU
+    times a float32 0-d tensor rounds the scale to bf16 first, while the CPU keeps it float32.
+    While torch.compile traces, CPU weights come here too: the torch twin's explicit float32
+    product keeps those bits in compiled code, and the CPU code's byte-pair table and reused
+    buffer cannot be traced; CUDA weights then go through the custom ops (``custom_ops``)."""
+    # the kernels are only needed off the CPU or in compiled code
+    from .custom_ops import kernel_entry_points
+
+    dequantize = kernel_entry_points().dequantize
 
     if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(q.shape)
                             or not out.is_contiguous() or out.device != q.device):

@@ -23,9 +23,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import int8, kernels
+from . import custom_ops, int8, kernels, nvfp4
 from .config import DEFAULT_CONFIG, ComputeConfig
-from .layouts import Block, PerRow, PerTensor, QuantizationError, workspace
+from .layouts import Block, PerRow, PerTensor, QuantizationError, tracing, workspace
+from .nvfp4 import NVFP4
 from .tensor import QuantizedTensor, log_once
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,21 @@ def _device_key(device: torch.device):
     return device.type, index
 
 
+def _traced(path: str, device: torch.device) -> bool:
+    """True while torch.compile traces; says so once per path and device type."""
+    if not tracing():
+        return False
+    log_once(("traced", path, device.type), logging.INFO,
+             "torch.compile is tracing FP8 linears (%s path on %s) into its graph", path, device.type)
+    return True
+
+
+def _real_tensors():
+    """The probes below run real products even when first asked while torch.compile traces (a
+    fake product succeeds everywhere, and its answer is cached for the process)."""
+    return torch.utils._python_dispatch._disable_current_modes()
+
+
 def scaled_mm_api(device) -> str | None:
     """Name of the first scaled-matmul API with a kernel for ``device`` in this torch
     (``torch._scaled_mm`` first: it takes every scaling the pack uses on torch 2.5 to 2.14;
@@ -128,7 +144,7 @@ def scaled_mm_api(device) -> str | None:
     key = _device_key(device)
     if key not in _api_for:
         found, errors = None, []
-        with torch.no_grad():
+        with torch.no_grad(), _real_tensors():
             for name in _present_apis():
                 try:
                     a = torch.ones(16, 32, device=device).to(_ACT_DTYPE)
@@ -229,9 +245,8 @@ def blockwise_form(device) -> tuple | None:
         api = scaled_mm_api(device)
         form = None
         if api is not None:
-            with torch.no_grad():
+            with torch.no_grad(), _real_tensors():
                 form = _probe_block_forms(api, device)
-        _blockwise_for[key] = form
     return _blockwise_for[key]
 
 
@@ -360,6 +375,8 @@ def _cached_on_weight(w: QuantizedTensor, name: str, build):
     tensors (what ComfyUI's loaders make under inference_mode; they have no version counter),
     because every in-place write of the pack's own (copy_, requantize_, LoRA patches) calls
     ``QuantizedTensor.scales_written()``."""
+    if tracing():
+        return build()  # a cached tensor would outlive the trace's fake mode
     scale = w.scale
     # asked, not tried: reading _version of an inference tensor raises (measured ~8 us a call)
     version = None if scale.is_inference() else scale._version
@@ -402,27 +419,28 @@ def _fp8_mm(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype
     than out-of-memory is remembered for its (device, layout, scaling, dtypes): later calls of
     that kind go weight-only without trying (see ``_fp8_failed``)."""
     try:
-        layout = w.layout
+        layout, k = w.layout, (custom_ops if _traced("fp8", x2d.device) else kernels)
         if _is_block128(layout):
             a_form, b_form = blockwise_form(x2d.device)
-            xq, sa = kernels.quantize_groups(x2d, _ACT_DTYPE)
+            xq, sa = k.quantize_groups(x2d, _ACT_DTYPE)
             if a_form == "m_padded":
                 sa = _pad_rows(sa, 4)
             sb = _block_weight_scale(w, b_form)
         else:
             mode = _scaling_mode(w, cfg)
             if mode == "dynamic_row":
-                xq, sa = kernels.quantize_rows(x2d, _ACT_DTYPE)
+                xq, sa = k.quantize_rows(x2d, _ACT_DTYPE)
                 sb = _row_weight_scale(w)
             else:
-                xq, sa = kernels.quantize_tensor(
+                xq, sa = k.quantize_tensor(
                     x2d, w.input_scale if mode == "static" else None, _ACT_DTYPE)
                 if isinstance(layout, PerRow):  # row-wise weight: both operands row-wise
                     sa = sa.reshape(1, 1).expand(x2d.shape[0], 1).contiguous()
                     sb = _row_weight_scale(w)
                 else:
                     sb = w.scale.reshape(())
-        return _scaled_mm(xq, w.qdata.t(), sa, sb, bias, out_dtype)
+        mm = custom_ops.scaled_mm if k is custom_ops else _scaled_mm
+        return mm(xq, w.qdata.t(), sa, sb, bias, out_dtype)
     except Exception as exc:  # a kernel that cannot run here must not break the model
         key = _failure_key(x2d, w, cfg, out_dtype)
         if _is_oom(exc):  # this call only: the next one may well fit
@@ -467,7 +485,8 @@ def _dequantized_weight(x, w: QuantizedTensor, bias, cdt) -> torch.Tensor:
     page faults per step (see ``layouts.workspace``). The buffer is dead once F.linear returns."""
     keeps_weight = torch.is_grad_enabled() and (
         x.requires_grad or (bias is not None and bias.requires_grad))
-    if w.qdata.device.type != "cpu" or keeps_weight or w.transposed:
+    if (w.qdata.device.type != "cpu" or keeps_weight or w.transposed
+            or _traced("weight-only", x.device)):
         return w.dequantize(cdt)
     buf = workspace("weight_only", w.qdata.numel(), cdt).view(w.qdata.shape)
     return w.layout.dequantize(w.qdata, w.scale, cdt, out=buf)
@@ -496,8 +515,10 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
         block = _kernel_block(w)
         if block is not None and not needs_grad and cdt in (torch.bfloat16, torch.float16):
             out_f, in_f = w.qdata.shape
-            y = kernels.weight_only_linear(x.reshape(-1, in_f), w.qdata, w.scale, block[0],
-                                           block[1], bias)
+            # custom ops while torch.compile traces
+            k = custom_ops if _traced("weight-only", x.device) else kernels
+            y = k.weight_only_linear(
+                x.reshape(-1, in_f), w.qdata, w.scale, block[0], block[1], bias)
             return y.reshape(*x.shape[:-1], out_f)
     return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
 
@@ -534,6 +555,13 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     ``config`` overrides ``weight.config`` for this call. The output has the compute dtype
     (``config.compute_dtype``, else x's dtype).
     """
+    if torch.compiler.is_dynamo_compiling():
+        # Dynamo cannot follow this Python (a layout is an object it does not model). It gets the
+        # whole op instead, which comes back here through QuantizedTensor's F.linear handler while
+        # the compiler traces it with fake tensors, so the compiled graph holds the same math.
+        if config is not None and isinstance(weight, QuantizedTensor):
+            weight = weight.with_config(config)
+        return F.linear(x, weight, bias)
     if isinstance(bias, QuantizedTensor):
         bias = bias.dequantize()
     if isinstance(x, QuantizedTensor):
@@ -545,6 +573,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         cdt = _compute_dtype(x, config or weight.config or DEFAULT_CONFIG)
         return F.linear(x.to(cdt), weight.dequantize(cdt), None if bias is None else bias.to(cdt))
     cfg = config or weight.config or DEFAULT_CONFIG
+    if isinstance(weight.layout, NVFP4):  # packed 4-bit weights: weight-only everywhere (nvfp4.py)
+        return nvfp4.weight_only_linear(x, weight, bias, _compute_dtype(x, cfg))
     out_f, in_f = weight.qdata.shape
     if x.dim() == 0 or x.shape[-1] != in_f:
         raise QuantizationError(

@@ -42,7 +42,8 @@ DEFAULT_KEEP: tuple[str, ...] = (
     "*text_projection*",
 )
 
-GRANULARITIES = ("tensor", "row", "block")
+# mxfp8: 1 x 32 power-of-two scales (ComfyUI 0.29's form); nvfp4: 4-bit e2m1 (ComfyUI's NVFP4 form, 0.29+)
+GRANULARITIES = ("tensor", "row", "block", "mxfp8", "nvfp4")
 # ComfyUI 0.33's int8_tensorwise form: one scale per tensor, or per channel with its ConvRot rotation
 # (regular Hadamard, 256 wide, where in_features allows it); these weights run the int8 path
 INT8_GRANULARITIES = ("int8 tensor", "int8 row convrot")
@@ -62,9 +63,19 @@ def fp8_dtype_from_name(name) -> torch.dtype:
         raise ValueError(f"unknown fp8 dtype {name!r}; expected one of {sorted(FP8_NAMES)}") from None
 
 
-def make_layout(granularity: str, block: tuple[int, int] = (128, 128)):
+def make_layout(granularity: str, block: tuple[int, int] = (128, 128), shape=None):
+    """The layout for `granularity`; an NVFP4 layout holds its weight's `shape` (None gives None then: make
+    one per weight)."""
     from .layouts import Block, PerRow, PerTensor
 
+    if granularity == "mxfp8":
+        from .mxfp8 import MXFP8
+
+        return MXFP8()
+    if granularity == "nvfp4":
+        from .nvfp4 import NVFP4
+
+        return None if shape is None else NVFP4.for_shape(shape)
     if granularity == "tensor":
         return PerTensor()
     if granularity == "row":
@@ -213,7 +224,7 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
     layout = make_layout(granularity, block)
     keep = tuple(keep)
     report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
-                            data_dtype_name(layout, fp8))
+                            _element_name(granularity, layout, fp8))
     out: dict[str, torch.Tensor] = {}
     keys = list(sd)
     for i, key in enumerate(keys):
@@ -222,8 +233,8 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
             name = key[: -len(".weight")]
             why = keep_reason(name, keep)
             if why is None:
-                qt, q = quantize_weight(t, layout, fp8, orig_dtype=t.dtype, stochastic_rounding=stochastic_rounding,
-                                        config=config)
+                qt, q = quantize_weight(t, layout or make_layout(granularity, block, t.shape), fp8, orig_dtype=t.dtype,
+                                        stochastic_rounding=stochastic_rounding, config=config)
                 out[key] = qt
                 report.layers.append(LayerQuality(name, tuple(t.shape), True, q))
             else:
@@ -254,7 +265,7 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
     layout = make_layout(granularity, block)
     keep = tuple(keep)
     report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
-                            data_dtype_name(layout, fp8))
+                            _element_name(granularity, layout, fp8))
     linears = [(n, m) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) or _looks_linear(m)]
     new: dict[str, torch.Tensor] = {}
     for i, (name, m) in enumerate(linears):
@@ -264,7 +275,8 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
         why = keep_reason(name, keep)
         if why is None:
             with torch.no_grad():
-                qt, q = quantize_weight(w.detach(), layout, fp8, orig_dtype=w.dtype,
+                qt, q = quantize_weight(w.detach(), layout or make_layout(granularity, block, w.shape), fp8,
+                                        orig_dtype=w.dtype,
                                         stochastic_rounding=stochastic_rounding, config=config)
             new[prefix + name + ".weight"] = qt
             report.layers.append(LayerQuality(name, tuple(w.shape), True, q))
@@ -273,6 +285,10 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
         if progress is not None:
             progress(i + 1, len(linears))
     return new, report
+
+
+def _element_name(granularity: str, layout, fp8: torch.dtype) -> str:
+    return "e2m1" if granularity == "nvfp4" else data_dtype_name(layout, fp8)
 
 
 def _looks_linear(m: torch.nn.Module) -> bool:

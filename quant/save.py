@@ -15,6 +15,9 @@ Encoding of a `QuantizedTensor` weight `<layer>.weight`:
   (UE8M0 bytes, F8_E8M0, in cuBLAS's 128x4 tiled order), `.comfy_quant` `{"format": "mxfp8"}`. Per-tensor
   layers in the same file get their `.comfy_quant` too, so 0.29 reads every layer. ComfyUI 0.3.75 has
   no MXFP8: a file for it must be quantized per tensor (the notes say so).
+- NVFP4 (`quant.nvfp4.NVFP4`): ComfyUI's own per-layer "nvfp4" form: `.weight` (uint8, packed e2m1,
+  padded to multiples of 16), `.weight_scale` (e4m3 block scales, tiled), `.weight_scale_2` (f32 []),
+  `.comfy_quant` `{"format": "nvfp4"}`; 0.29 and newer read it.
 Other tensors are written as they are. Writes stream tensor by tensor into a temporary file in the
 target folder, then move into place; an existing file is never replaced unless `overwrite=True`.
 """
@@ -50,6 +53,8 @@ def layout_kind(layout) -> tuple[str, tuple[int, int] | None]:
     name = type(layout).__name__
     if name == "MXFP8":  # a Block(1, 32) with power-of-two scales, stored in 0.29's own form
         return "mxfp8", None
+    if name == "NVFP4":  # packed 4-bit data, stored in ComfyUI's own form
+        return "nvfp4", None
     if name == "PerTensor":
         return "tensor", None
     if name == "PerRow":
@@ -309,8 +314,9 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
         legacy_dtype = torch.float8_e5m2
     stock = all_tensor and (legacy_dtype is not None or all(infos[k][0] == torch.float8_e4m3fn for k in quantized))
     has_mx = any(kinds[k][0] == "mxfp8" for k in quantized)
-    # every layer in a form ComfyUI 0.29 reads per layer (per-tensor e4m3fn/e5m2 and MXFP8)
-    kitchen = has_mx and all(kinds[k][0] in ("tensor", "mxfp8") for k in quantized)
+    has_nv = any(kinds[k][0] == "nvfp4" for k in quantized)
+    # every layer in a form ComfyUI 0.29 and newer read per layer (per-tensor e4m3fn/e5m2, MXFP8, NVFP4)
+    kitchen = (has_mx or has_nv) and all(kinds[k][0] in ("tensor", "mxfp8", "nvfp4") for k in quantized)
     blocks = {kinds[k][1] for k in quantized if kinds[k][0] == "block"}
     slot: dict = {}
 
@@ -348,6 +354,9 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
         if kind == "int8":
             _add_int8(add, layer, key, qt_of, shape, layout)
             continue
+        if kind == "nvfp4":
+            _add_nvfp4(add, layer, key, qt_of, layout)
+            continue
         add(key, (lambda k=key: qt_of(k).qdata), fp8, shape)
         if legacy_dtype is not None:
             add(layer + ".scale_weight", (lambda k=key: qt_of(k).scale.float().reshape(())), torch.float32, ())
@@ -376,6 +385,9 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
     if len(blocks) == 1:
         r, c = next(iter(blocks))
         metadata["quantization_config"] = json.dumps({"quant_method": "fp8", "weight_block_size": [r, c]})
+    if has_nv:
+        notes.append("nvfp4 layers: written in ComfyUI's own per-layer form, which 0.29 and newer load; older "
+                     "ComfyUI cannot read them")
     if has_mx:
         notes.append("mxfp8 layers: written in ComfyUI 0.29's own per-layer form, which 0.29 and newer load; "
                      "ComfyUI 0.3.75 (and any ComfyUI without MXFP8) cannot read them: for those, quantize the "
@@ -384,7 +396,7 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
     elif "int8" in grans:
         notes.append("int8 layers: written in ComfyUI 0.33's int8_tensorwise form, which 0.33 and newer load; "
                      "older ComfyUI cannot, and this pack's loaders read them everywhere")
-    elif quantized and not stock:
+    elif quantized and not stock and not has_nv:
         notes.append("stock ComfyUI cannot apply row-wise or block-wise scales (or mixed e4m3fn/e5m2 layers): "
                      "load this file with this pack's loaders")
     metadata["fp8_engram"] = json.dumps({"version": 1, "granularity": grans})
@@ -437,6 +449,22 @@ def _add_int8(add, layer: str, key: str, qt_of, shape, layout) -> None:
     add(key, (lambda: parts()[0]), torch.int8, shape)
     add(layer + ".weight_scale", (lambda: parts()[1].float()), torch.float32, sshape)
     add(layer + ".comfy_quant", (lambda b=blob: b.clone()), torch.uint8, (blob.numel(),))
+
+
+def _add_nvfp4(add, layer: str, key: str, qt_of, layout) -> None:
+    """The entries of one NVFP4 layer in ComfyUI's form (see the module docstring and quant/nvfp4.py)."""
+    from .mxfp8 import padded_shape
+    from .nvfp4 import file_tensors
+
+    def part(name, k=key):
+        return file_tensors(qt_of(k))[name]
+
+    add(key, (lambda: part("weight")), torch.uint8, layout.storage_shape)
+    add(layer + ".weight_scale", (lambda: part("weight_scale")), torch.float8_e4m3fn,
+        padded_shape(layout.padded[0], layout.blocks))
+    add(layer + ".weight_scale_2", (lambda: part("weight_scale_2")), torch.float32, ())
+    blob = json.dumps({"format": "nvfp4"}).encode("utf-8")
+    add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
 
 
 _SOURCE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")

@@ -66,6 +66,8 @@ def summarize_module(module: torch.nn.Module) -> WeightSummary:
         logical = tensor.numel()
         for i, part in enumerate(_storage_parts(tensor)):
             name = str(part.dtype).removeprefix("torch.")
+            if type(getattr(tensor, "layout", None)).__name__ == "NVFP4":
+                name = "nvfp4"  # packed 4-bit data and its scale bytes, not plain uint8 tensors
             # Scales are bookkeeping: count their bytes, but only the weight's own elements.
             elements[name] += logical if i == 0 else 0
             nbytes[name] += part.numel() * part.element_size()

@@ -6,7 +6,8 @@ holds, declared once in ``_TENSOR_FIELDS`` / ``_META_FIELDS``:
     qdata        FP8 data (float8_e4m3fn or float8_e5m2) in the canonical [out, in] orientation
     scale        float32, shape given by the layout (dequantize multiplies by it)
     input_scale  float32 [] or None (static activation scale for the fp8 x fp8 path)
-    layout       PerTensor() | PerRow() | Block(r, c)
+    layout       PerTensor() | PerRow() | Block(r, c) | NVFP4(rows, cols)
+                 (NVFP4 keeps packed 4-bit uint8 data and its scales as bytes: see nvfp4.py)
     orig_dtype   logical dtype
     config       ComputeConfig or None (per weight, i.e. per model; never on the class)
     transposed   True after .t(): the logical tensor is qdata's transpose (no data moved)
@@ -19,6 +20,7 @@ tensor with one log line per op.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 
@@ -34,6 +36,7 @@ from .layouts import (
     check_fp8_dtype,
 )
 from .int8_layout import Int8
+from .nvfp4 import NVFP4
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ __all__ = ["QuantizedTensor", "log_once", "reset_log_once"]
 
 _TENSOR_FIELDS = ("qdata", "scale", "input_scale")  # input_scale may be None
 _META_FIELDS = ("layout", "orig_dtype", "config", "transposed")
-_LAYOUT_TYPES = (PerTensor, PerRow, Block, Int8)  # Int8: int8 qdata (int8_layout.py)
+_LAYOUT_TYPES = (PerTensor, PerRow, Block, Int8, NVFP4)  # Int8: int8 qdata (int8_layout.py)
 _ORIG_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Filled by dispatch.py: aten overload -> handler(func, args, kwargs); callable -> handler(args, kwargs)
@@ -86,6 +89,8 @@ class QuantizedTensor(torch.Tensor):
     def __new__(cls, qdata, scale, layout, orig_dtype, input_scale=None, config=None,
                 transposed=False):
         shape = tuple(qdata.shape)
+        if isinstance(layout, NVFP4):  # packed data: the layout holds the logical shape
+            shape = layout.shape
         if transposed:
             shape = shape[::-1]
         return torch.Tensor._make_wrapper_subclass(
@@ -139,7 +144,8 @@ class QuantizedTensor(torch.Tensor):
                 f"{getattr(w, 'dtype', type(w).__name__)}"
             )
         _check_layout(layout)
-        _check_data_dtype(layout, fp8_dtype, "fp8_dtype")
+        if not isinstance(layout, NVFP4):  # NVFP4's data type is fixed (e2m1)
+            _check_data_dtype(layout, fp8_dtype, "fp8_dtype")
         if w.dim() == 0:
             raise QuantizationError("from_float needs at least a 1-D tensor, got a scalar")
         if not bool(torch.isfinite(w).all()):
@@ -167,6 +173,13 @@ class QuantizedTensor(torch.Tensor):
         _check_layout(layout)
         if not isinstance(qdata, torch.Tensor) or isinstance(qdata, QuantizedTensor):
             raise QuantizationError(f"qdata must be a plain torch.Tensor, got {type(qdata).__name__}")
+        if isinstance(layout, NVFP4):  # packed 4-bit data and byte scales: the layout checks them
+            if orig_dtype not in _ORIG_DTYPES:
+                raise QuantizationError(f"orig_dtype must be one of {_ORIG_DTYPES}, got {orig_dtype}")
+            if config is not None and not isinstance(config, ComputeConfig):
+                raise QuantizationError(f"config must be a ComputeConfig or None, got {config!r}")
+            layout.check_parts(qdata, scale)
+            return cls(qdata, scale.to(qdata.device), layout, orig_dtype, None, config)
         _check_data_dtype(layout, qdata.dtype, "qdata.dtype")
         if qdata.dim() == 0:
             raise QuantizationError("qdata must have at least one dimension, got a scalar")
@@ -226,6 +239,18 @@ class QuantizedTensor(torch.Tensor):
         layout, orig_dtype, config, transposed = ctx
         return QuantizedTensor(inner_tensors["qdata"], inner_tensors["scale"], layout, orig_dtype,
                                inner_tensors.get("input_scale"), config, transposed)
+
+    def _stable_hash_for_caching(self) -> str:
+        """Key of this tensor in torch.compile's compiled-graph cache: its metadata and its inner
+        tensors' shapes, dtypes, strides and device types. Never the values (they are graph inputs),
+        as torch's default for wrapper subclasses, which warns when a subclass lacks this method."""
+        parts = [tuple(self.shape), repr(self._qlayout), str(self.orig_dtype), repr(self.config),
+                 self.transposed]
+        for name in _TENSOR_FIELDS:
+            t = getattr(self, name)
+            parts.append(None if t is None else
+                         (name, tuple(t.shape), str(t.dtype), tuple(t.stride()), t.device.type))
+        return hashlib.sha256(repr(parts).encode()).hexdigest()
 
     def __reduce_ex__(self, protocol):
         f = self._fields()

@@ -9,7 +9,8 @@
   `_quantization_metadata` file into per-layer form with `comfy.utils.convert_old_quants`; the
   converted file loads in the pack to the same weights as the original, and keeps the "no fp8 matmul"
   flag.
-Runs where the ComfyUI in use is 0.29 or newer (CI's second leg); skips elsewhere and says so.
+Runs where the ComfyUI in use is 0.29 or newer (CI's second and third legs: 0.29.0, 0.33.0); skips elsewhere
+and says so.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Per-tensor FP8 dequantization of the pack against the ComfyUI in use, through that ComfyUI's own API.
 
-Runs in process with the tree that scripts/comfyhost.py picks (0.3.75 by default, 0.29 in CI's second
-leg), so it lives with the integration tests and holds on both:
+Runs in process with the tree that scripts/comfyhost.py picks (0.3.75 by default, 0.29 and 0.33 in CI's
+second and third legs), so it lives with the integration tests and holds on all of them (0.33 follows
+0.29's rule; NVFP4's agreement is tests/integration/test_nvfp4_comfy.py):
 
 - ComfyUI 0.3.75: `TensorCoreFP8Layout.dequantize(qdata, scale, dtype)` converts the FP8 data to the
   output dtype and multiplies by the float32 scale, rounding once. The pack does the same: the bits
   must be equal, for every output dtype and both FP8 dtypes.
-- ComfyUI 0.29 (comfy-kitchen layouts, `dequantize(qdata, params)` with a `Params(scale, orig_dtype,
+- ComfyUI 0.29 and newer (comfy-kitchen layouts, `dequantize(qdata, params)` with a `Params(scale, orig_dtype,
   orig_shape)`): the scale is first rounded to the output dtype, then multiplied
   (`q.to(dtype) * scale.to(dtype)`). The test checks that 0.29 really follows that rule (bit for bit),
   that for float32 output the pack equals it, and that for bf16/fp16 the pack (one rounding of the

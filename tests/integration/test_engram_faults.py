@@ -284,13 +284,16 @@ def test_killed_worker_during_training_then_next_prompt_works(comfy, comfy_serve
     def kill_worker():
         victim["pids"] = sorted(engram_workers(comfy_server))
         kill(victim["pids"][0])
+        victim["at"] = time.monotonic()
 
-    started = time.monotonic()
     _, exc, fired = run_with(comfy, graph, progressing("32", 5), kill_worker)
     assert fired and exc is not None
     error = assert_worker_error(exc, "New Engram Memory (node 30)")
     assert error["node_id"] == "32"
-    assert time.monotonic() - started < 120  # the training noticed, it did not run its 20000 steps
+    # the training noticed, it did not run its 20000 steps (timed from the kill: building the memory and
+    # the first steps before it take minutes on a loaded 2-core machine)
+    print(f"training failed {time.monotonic() - victim['at']:.1f} s after its worker was killed")
+    assert time.monotonic() - victim["at"] < 60
     graph["32"]["inputs"]["steps"] = 30
     history = comfy.run(graph)
     assert history["outputs"]["32"]["losses"][-1] < history["outputs"]["32"]["losses"][0]

@@ -1,0 +1,96 @@
+"""The host tier through the real server: New/Load Engram Memory with `placement` = host give the same
+conditioning as the same memory on the device (CPU ranks), the nodes' summaries say where the rows are,
+a saved host memory loads back mapped (no worker processes), and Engram Apply agrees with Engram Text
+Encode on a host memory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+PHRASE = "glowing crystal apple"
+TARGET_PHRASE = "rusty old bicycle"
+PROMPT = f"{PHRASE} on a wooden table"
+
+
+def clip() -> dict:
+    return {"class_type": "CLIPLoader", "inputs": {"clip_name": "tiny_clip_l.safetensors", "type": "sd3"}}
+
+
+def new_memory(placement: str, ranks: int = 1) -> dict:
+    return {"class_type": "FP8Engram.NewEngramMemory", "inputs": {
+        "clip": ["2", 0], "max_order": 3, "heads": 8, "rows_per_head": 4099, "dtype": "fp8_e4m3fn",
+        "devices": "cpu", "cpu_ranks": ranks, "context_gate": False, "seed": 0, "placement": placement}}
+
+
+def memorize(memory: list) -> dict:
+    return {"class_type": "FP8Engram.EngramMemorize", "inputs": {"memory": memory, "clip": ["2", 0], "text": PHRASE, "target_text": TARGET_PHRASE}}
+
+
+def encode(memory: list, text: str = PROMPT) -> dict:
+    return {"class_type": "FP8Engram.EngramTextEncode", "inputs": {"clip": ["2", 0], "text": text, "memory": memory, "strength": 1.0}}
+
+
+def similarity(a: list, b: list) -> dict:
+    return {"class_type": "FP8Engram.ConditioningSimilarity", "inputs": {"a": a, "b": b, "first_row": 0, "rows": 0}}
+
+
+def identical(history: dict, node: str) -> bool:
+    return json.loads(history["outputs"][node]["text"][0])["identical"]
+
+
+def test_placement_is_offered_with_a_tooltip(comfy):
+    info = comfy.object_info()
+    for name in ("NewEngramMemory", "LoadEngramMemory"):
+        kind, options = info[f"FP8Engram.{name}"]["input"]["optional"]["placement"]
+        assert kind == ["device", "host", "auto"] or options.get("options") == ["device", "host", "auto"]
+        assert options["default"] == "auto" and "host" in options["tooltip"]
+
+
+def test_host_memory_encodes_like_a_device_memory_and_loads_back_mapped(comfy):
+    graph = {
+        "2": clip(),
+        "30": new_memory("host"),
+        "31": memorize(["30", 0]),
+        "3": encode(["31", 0]),
+        "60": new_memory("device", ranks=2),
+        "61": memorize(["60", 0]),
+        "62": encode(["61", 0]),
+        "63": similarity(["3", 0], ["62", 0]),
+        "64": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": PROMPT}},
+        "65": similarity(["3", 0], ["64", 0]),
+        "50": {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["31", 0], "name": "host_round_trip"}},
+    }
+    history = comfy.run(graph)
+    assert identical(history, "63") is True, "the host memory and the device memory disagree"
+    assert identical(history, "65") is False, "the memorized phrase did not change the conditioning"
+    summary = history["outputs"]["30"]["text"][0]
+    assert "placement: host" in summary and "shared-memory segment" in summary
+    assert history["outputs"]["30"]["worker_pids"] == []
+    assert "placement: device" in history["outputs"]["60"]["text"][0]
+    hits = [t["text"] for e in history["outputs"]["3"]["engram_hits"] for t in e["tokens"] if t["hit"]]
+    assert hits == ["crystal", "apple"]
+
+    graph2 = {
+        "2": clip(),
+        "60": new_memory("device", ranks=2),
+        "61": memorize(["60", 0]),
+        "62": encode(["61", 0]),
+        "51": {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {
+            "memory_name": "host_round_trip.safetensors", "devices": "cpu", "cpu_ranks": 1, "placement": "host"}},
+        "52": encode(["51", 0]),
+        "53": similarity(["52", 0], ["62", 0]),
+        "54": {"class_type": "FP8Engram.EngramApply", "inputs": {
+            "conditioning": ["64", 0], "text": PROMPT, "memory": ["51", 0], "strength": 1.0, "clip": ["2", 0]}},
+        "64": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": PROMPT}},
+        "55": similarity(["54", 0], ["52", 0]),
+    }
+    history = comfy.run(graph2)
+    assert identical(history, "53") is True, "the loaded host memory differs from the memory it was saved from"
+    assert identical(history, "55") is True, "Engram Apply and Engram Text Encode disagree on a host memory"
+    summary = history["outputs"]["51"]["text"][0]
+    assert "placement: host" in summary and "host_round_trip.safetensors" in summary and "mapped" in summary
+    assert history["outputs"]["51"]["worker_pids"] == []

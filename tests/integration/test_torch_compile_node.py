@@ -1,0 +1,70 @@
+"""ComfyUI's TorchCompileModel node (inductor) after the pack's Load FP8 Diffusion Model, on a real server.
+
+The tiny SD3 in ComfyUI's mixed-precision FP8 form (per-tensor scales) is sampled twice with the same
+graph, once with TorchCompileModel between the loader and KSampler. The compiled run must give the
+uncompiled latent within SQNR >= 60 dB (measured: 118 dB, and the same for per-channel scales): on the
+CPU the model computes in float32, and inductor's fused kernels (layer norms, attention, GELU, the
+dequantization fused into the matmul's input) sum and round in another order than eager ops, about one
+float32 rounding per op; the pack's own FP8 math gives the eager bits under compile
+(tests/unit/test_compile.py covers every layout). One format only: the first compile of the model takes
+minutes on a 2-core machine. The server log must say that torch.compile traced the pack's FP8 linears,
+so the test cannot pass with the node silently doing nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from helpers import fp8_files
+from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+
+pytestmark = pytest.mark.integration
+
+MIN_SQNR_DB = 60.0
+TRACED = "torch.compile is tracing FP8 linears"
+_counter = itertools.count()
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref = ref.double()
+    err = (ref - x.double()).norm()
+    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
+
+
+def latent(comfy, output_dir, graph) -> torch.Tensor:
+    hist = comfy.run(graph)
+    entry = hist["outputs"]["10"]["latents"][0]
+    with safe_open(str(output_dir / entry["subfolder"] / entry["filename"]), framework="pt") as f:
+        return f.get_tensor("latent_tensor").clone()
+
+
+@pytest.fixture(scope="module")
+def fp8_models(models_dir):
+    sd = load_file(str(models_dir / "diffusion_models" / TINY_UNET))
+    names = {}
+    for fmt in ("comfy_quant_metadata",):
+        path = models_dir / "diffusion_models" / f"compile_{fmt}.safetensors"
+        fp8_files.write_format(sd, path, fmt)
+        names[fmt] = path.name
+    return names
+
+
+@pytest.mark.parametrize("fmt", ["comfy_quant_metadata"])
+def test_torch_compile_model_after_fp8_loader(comfy, comfy_server, output_dir, fp8_models, fmt):
+    plain = sd3_txt2img(model=fp8_loader(fp8_models[fmt]), save="latent", prefix=f"compile{next(_counter)}")
+    compiled = sd3_txt2img(model=fp8_loader(fp8_models[fmt]), save="latent", prefix=f"compile{next(_counter)}")
+    compiled["11"] = {"class_type": "TorchCompileModel", "inputs": {"model": ["1", 0], "backend": "inductor"}}
+    compiled["6"]["inputs"]["model"] = ["11", 0]
+
+    eager = latent(comfy, output_dir, plain)
+    out = latent(comfy, output_dir, compiled)
+    assert out.shape == eager.shape and bool(torch.isfinite(out).all())
+    q = sqnr(eager, out)
+    print(f"{fmt}: compiled vs uncompiled latent SQNR {q:.1f} dB")
+    assert q >= MIN_SQNR_DB
+    assert TRACED in comfy_server.log_tail(100000)
