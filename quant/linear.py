@@ -247,6 +247,7 @@ def blockwise_form(device) -> tuple | None:
         if api is not None:
             with torch.no_grad(), _real_tensors():
                 form = _probe_block_forms(api, device)
+        _blockwise_for[key] = form
     return _blockwise_for[key]
 
 

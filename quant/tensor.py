@@ -20,9 +20,11 @@ tensor with one log line per op.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
+from pathlib import Path
 
 import torch
 from torch.utils._pytree import tree_map
@@ -76,6 +78,17 @@ def _contiguous_strides(shape) -> tuple:
         strides.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=1)
+def _code_fingerprint() -> str:
+    """sha256 of the source of this package (quant/ and its kernels), read once per process."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 class QuantizedTensor(torch.Tensor):
@@ -243,9 +256,12 @@ class QuantizedTensor(torch.Tensor):
     def _stable_hash_for_caching(self) -> str:
         """Key of this tensor in torch.compile's compiled-graph cache: its metadata and its inner
         tensors' shapes, dtypes, strides and device types. Never the values (they are graph inputs),
-        as torch's default for wrapper subclasses, which warns when a subclass lacks this method."""
-        parts = [tuple(self.shape), repr(self._qlayout), str(self.orig_dtype), repr(self.config),
-                 self.transposed]
+        as torch's default for wrapper subclasses, which warns when a subclass lacks this method.
+        The key also holds a fingerprint of this package's code: the cached graph is what this
+        class's dispatch traced to, which the traced model's own graph does not show, so a changed
+        pack (an update, a new rounding rule) must not reuse a graph compiled by the old one."""
+        parts = [_code_fingerprint(), tuple(self.shape), repr(self._qlayout), str(self.orig_dtype),
+                 repr(self.config), self.transposed]
         for name in _TENSOR_FIELDS:
             t = getattr(self, name)
             parts.append(None if t is None else

@@ -322,3 +322,15 @@ def test_compile_cache_key_is_metadata_only():
             for cfg in (None, ComputeConfig(path="fp8"))}
     assert len(keys) == 8
     assert key(QuantizedTensor.from_float(a, PerRow()).t()) != key(QuantizedTensor.from_float(a, PerRow()))
+
+
+def test_compile_cache_key_changes_with_the_packs_code(monkeypatch):
+    # the cached graph is what QuantizedTensor's dispatch traced to: a pack whose code changed (an
+    # update, another rounding rule) must not be handed a graph the old code compiled
+    from fp8_engram.quant import tensor as qtensor
+
+    w = QuantizedTensor.from_float(torch.randn(64, 32), PerRow())
+    before = w._stable_hash_for_caching()
+    assert len(qtensor._code_fingerprint()) == 64
+    monkeypatch.setattr(qtensor, "_code_fingerprint", lambda: "0" * 64)
+    assert w._stable_hash_for_caching() != before
