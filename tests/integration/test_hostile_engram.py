@@ -18,7 +18,8 @@ from comfyhost import WorkflowError
 from helpers.graphs import TINY_CLIP_L
 
 from integration.test_engram_faults import (
-    clip_node, engram_workers, interrupt, interrupted_node, load_memory, memory_graph, new_memory, node_text,
+    clip_node, engram_workers, interrupt, interrupted_node, kill_as_lookup_starts, load_memory, memory_graph,
+    new_memory, node_text,
     run_with, executing, similarity, wait_until,
 )
 
@@ -247,8 +248,10 @@ def test_no_log_line_tells_the_user_to_close_a_group(comfy, comfy_server):
     offset = log_size(comfy_server)
     graph["3"]["inputs"]["text"] += " at dusk"  # Engram Text Encode runs again, the memory stays cached
     graph["40"]["inputs"]["text"] += " at dusk"
-    _, exc, fired = run_with(comfy, graph, executing("3"), lambda: os.kill(pid, signal.SIGKILL))
-    assert fired and exc is not None
+    kill_as_lookup_starts(comfy, graph, lambda: os.kill(pid, signal.SIGKILL))
+    graph["3"]["inputs"]["text"] += " again"  # the next lookup meets the dead worker if this one did not
+    graph["40"]["inputs"]["text"] += " again"
+    comfy.run(graph)
     log = log_since(comfy_server, offset)
     assert "worker rank 1" in log, log
     assert "Close this group" not in log, log
