@@ -30,17 +30,12 @@ from safetensors.torch import load_file
 from helpers import fp8_files
 from helpers.host import comfy_in_process
 from helpers.graphs import TINY_CLIP_L, TINY_UNET, TINY_VAE, output_images, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "a red apple on a wooden table"
 _counter = itertools.count()
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def _options() -> dict:

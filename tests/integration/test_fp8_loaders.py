@@ -21,16 +21,11 @@ from safetensors.torch import load_file, save_file
 
 from helpers import fp8_files
 from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 _counter = itertools.count()
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def stock_loader(name: str) -> dict:

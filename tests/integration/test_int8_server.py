@@ -18,16 +18,11 @@ from safetensors.torch import load_file
 
 from helpers import fp8_files
 from helpers.graphs import TINY_UNET, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 _counter = itertools.count()
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def loader(name: str, compute_path: str) -> dict:

@@ -23,17 +23,12 @@ from safetensors.torch import load_file, save_file
 from helpers import comfy029, fp8_files
 from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
 from helpers.host import comfy_in_process
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 NAME = "nvfp4_tiny_sd3.safetensors"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from helpers import comfy029
 from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
@@ -24,12 +25,6 @@ _n = itertools.count()
 THRESHOLD = {"nvfp4": 10.0, "mxfp8": 20.0}
 SCALE_DTYPE = {"nvfp4": "F8_E4M3", "mxfp8": "F8_E8M0"}
 DATA_DTYPE = {"nvfp4": "U8", "mxfp8": "F8_E4M3"}
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def _latent(comfy, output_dir, graph) -> tuple[torch.Tensor, dict]:

@@ -22,18 +22,13 @@ from safetensors.torch import load_file
 
 from helpers import fp8_files
 from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 MIN_SQNR_DB = 60.0
 TRACED = "torch.compile is tracing FP8 linears"
 _counter = itertools.count()
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def latent(comfy, output_dir, graph) -> torch.Tensor:
