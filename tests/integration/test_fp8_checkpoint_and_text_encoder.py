@@ -24,12 +24,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import fp8_files
 from helpers.host import comfy_in_process
-from helpers.graphs import TINY_CLIP_L, TINY_UNET, TINY_VAE, output_images, sd3_txt2img
+from helpers.graphs import TINY_CLIP_L, TINY_UNET, TINY_VAE, output_images, saved_latent, sd3_txt2img
 from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
@@ -44,9 +43,7 @@ def _options() -> dict:
 
 def _run(comfy, output_dir, graph) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     hist = comfy.run(graph)
-    entry = hist["outputs"]["10"]["latents"][0]
-    with safe_open(str(output_dir / entry["subfolder"] / entry["filename"]), framework="pt") as f:
-        latent = f.get_tensor("latent_tensor").clone()
+    latent = saved_latent(hist, output_dir)
     image = None
     images = output_images(hist, "9")
     if images:

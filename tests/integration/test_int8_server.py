@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import fp8_files
-from helpers.graphs import TINY_UNET, sd3_txt2img
+from helpers.graphs import TINY_UNET, saved_latent, sd3_txt2img
 from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
@@ -33,9 +33,7 @@ def loader(name: str, compute_path: str) -> dict:
 
 def sample(comfy, output_dir, model: dict, seed: int = 3):
     hist = comfy.run(sd3_txt2img(model=model, save="latent", seed=seed, prefix=f"int8t{next(_counter)}"))
-    entry = hist["outputs"]["10"]["latents"][0]
-    with safe_open(str(output_dir / entry["subfolder"] / entry["filename"]), framework="pt") as f:
-        return f.get_tensor("latent_tensor").clone(), hist
+    return saved_latent(hist, output_dir), hist
 
 
 @pytest.fixture(scope="module")
