@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .allocators import PAGE_SIZE, ShardAllocator, ShardMemory, all_gather_int64, barrier, collective_device, default_allocator
+from .store import check_buffer_indices, check_buffer_storages
 
 logger = logging.getLogger(__name__)
 
@@ -332,14 +333,7 @@ class LocalEngramBuffer:
         """Collective: copy this rank's shards `[n_l, hidden]` (and scale factors) into the buffer."""
         self._check_alive()
         barrier(self.group, self._coll_device, self.device)
-        if len(storages) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} storages (one per layer), got {len(storages)}")
-        for layer, storage in enumerate(storages):
-            n = self.num_entries_per_layer[layer]
-            if tuple(storage.shape) != (n, self.hidden):
-                raise ValueError(f"layer {layer}: storage shape {tuple(storage.shape)} != {(n, self.hidden)}")
-            if storage.dtype != self.dtype or not storage.is_contiguous():
-                raise ValueError(f"layer {layer}: storage must be a contiguous {self.dtype} tensor, got {storage.dtype} (contiguous={storage.is_contiguous()})")
+        check_buffer_storages(storages, self.num_entries_per_layer, self.hidden, self.dtype)
         if self.use_fp8:
             if sfs is None or len(sfs) != self.num_layers:
                 raise ValueError(f"FP8 engram tables need one scale-factor tensor per layer ({self.num_layers}), got {None if sfs is None else len(sfs)}")
@@ -378,18 +372,7 @@ class LocalEngramBuffer:
         """
         del num_qps
         self._check_alive()
-        if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or indices.dtype != torch.int32 or not indices.is_contiguous():
-            raise ValueError(
-                f"indices must be a contiguous int32 [layers, tokens, entries] tensor, got {getattr(indices, 'dtype', type(indices).__name__)} "
-                f"{tuple(getattr(indices, 'shape', ()))}"
-            )
-        if indices.device.type != self.device.type:
-            raise ValueError(f"indices are on {indices.device}, the buffer on {self.device}")
-        num_layers, num_tokens, entries = indices.shape
-        if num_layers != self.num_layers or entries != self.num_entries_per_token:
-            raise ValueError(f"indices shape {tuple(indices.shape)} does not match {self.num_layers} layers x {self.num_entries_per_token} entries per token")
-        if num_tokens > self.num_max_tokens:
-            raise ValueError(f"num_tokens={num_tokens} exceeds num_max_tokens={self.num_max_tokens}")
+        num_layers, num_tokens, entries = check_buffer_indices(indices, self.num_layers, self.num_entries_per_token, self.num_max_tokens, self.device)
 
         n = num_tokens * entries
         data = torch.empty((num_layers, num_tokens, entries * self.hidden), dtype=self.dtype, device=self.device)

@@ -45,6 +45,8 @@ import torch
 
 from . import ue8m0
 from .store import (
+    check_buffer_indices,
+    check_buffer_storages,
     check_fetch_indices,
     check_layer,
     check_rows,
@@ -370,14 +372,7 @@ class HostEngramBuffer:
     def write(self, storages: Sequence[torch.Tensor], sfs: Sequence[torch.Tensor] | None = None) -> None:
         """Copy whole layers `[n_l, hidden]` (and FP8 scale factors `[n_l, packs]`, 4-byte elements) into the table."""
         self._check_alive()
-        if len(storages) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} storages (one per layer), got {len(storages)}")
-        for layer, storage in enumerate(storages):
-            n = self.num_entries_per_layer[layer]
-            if tuple(storage.shape) != (n, self.hidden):
-                raise ValueError(f"layer {layer}: storage shape {tuple(storage.shape)} != {(n, self.hidden)}")
-            if storage.dtype != self.dtype or not storage.is_contiguous():
-                raise ValueError(f"layer {layer}: storage must be a contiguous {self.dtype} tensor, got {storage.dtype} (contiguous={storage.is_contiguous()})")
+        check_buffer_storages(storages, self.num_entries_per_layer, self.hidden, self.dtype)
         if self.use_fp8:
             if sfs is None or len(sfs) != self.num_layers:
                 raise ValueError(f"FP8 engram tables need one scale-factor tensor per layer ({self.num_layers}), got {None if sfs is None else len(sfs)}")
@@ -407,16 +402,7 @@ class HostEngramBuffer:
         `indices` may be on the CPU or on the buffer's device. `num_qps` is accepted and ignored."""
         del num_qps
         self._check_alive()
-        if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or indices.dtype != torch.int32 or not indices.is_contiguous():
-            raise ValueError(
-                f"indices must be a contiguous int32 [layers, tokens, entries] tensor, got {getattr(indices, 'dtype', type(indices).__name__)} "
-                f"{tuple(getattr(indices, 'shape', ()))}"
-            )
-        num_layers, num_tokens, entries = indices.shape
-        if num_layers != self.num_layers or entries != self.num_entries_per_token:
-            raise ValueError(f"indices shape {tuple(indices.shape)} does not match {self.num_layers} layers x {self.num_entries_per_token} entries per token")
-        if num_tokens > self.num_max_tokens:
-            raise ValueError(f"num_tokens={num_tokens} exceeds num_max_tokens={self.num_max_tokens}")
+        num_layers, num_tokens, entries = check_buffer_indices(indices, self.num_layers, self.num_entries_per_token, self.num_max_tokens)
         cuda = self.device.type == "cuda"
         host_ids = indices if indices.device.type == "cpu" else indices.cpu()
         table = self.table

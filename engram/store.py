@@ -67,6 +67,37 @@ def check_fetch_indices(indices: torch.Tensor, num_layers: int) -> None:
         raise ValueError(f"indices cover {indices.shape[0]} layers, the tables have {num_layers}")
 
 
+def check_buffer_storages(storages: Sequence[torch.Tensor], rows_per_layer: Sequence[int], hidden: int, dtype: torch.dtype) -> None:
+    """The EngramBuffer `write()` contract for the table storages: one contiguous `[rows, hidden]` tensor of `dtype` per layer."""
+    if len(storages) != len(rows_per_layer):
+        raise ValueError(f"expected {len(rows_per_layer)} storages (one per layer), got {len(storages)}")
+    for layer, storage in enumerate(storages):
+        n = rows_per_layer[layer]
+        if tuple(storage.shape) != (n, hidden):
+            raise ValueError(f"layer {layer}: storage shape {tuple(storage.shape)} != {(n, hidden)}")
+        if storage.dtype != dtype or not storage.is_contiguous():
+            raise ValueError(f"layer {layer}: storage must be a contiguous {dtype} tensor, got {storage.dtype} (contiguous={storage.is_contiguous()})")
+
+
+def check_buffer_indices(indices: torch.Tensor, num_layers: int, entries_per_token: int, max_tokens: int,
+                         device: torch.device | None = None) -> tuple[int, int, int]:
+    """The EngramBuffer `fetch()` contract for `indices`: contiguous int32 `[layers, tokens, entries]` with
+    at most `max_tokens` tokens (and on `device`'s type, when given); returns its shape."""
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or indices.dtype != torch.int32 or not indices.is_contiguous():
+        raise ValueError(
+            f"indices must be a contiguous int32 [layers, tokens, entries] tensor, got {getattr(indices, 'dtype', type(indices).__name__)} "
+            f"{tuple(getattr(indices, 'shape', ()))}"
+        )
+    if device is not None and indices.device.type != device.type:
+        raise ValueError(f"indices are on {indices.device}, the buffer on {device}")
+    layers, tokens, entries = indices.shape
+    if layers != num_layers or entries != entries_per_token:
+        raise ValueError(f"indices shape {tuple(indices.shape)} does not match {num_layers} layers x {entries_per_token} entries per token")
+    if tokens > max_tokens:
+        raise ValueError(f"num_tokens={tokens} exceeds num_max_tokens={max_tokens}")
+    return layers, tokens, entries
+
+
 def check_layer(layer: int, num_layers: int) -> int:
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise IndexError(f"layer must be an int in [0, {num_layers}), got {layer!r}")

@@ -58,3 +58,14 @@ def sd3_txt2img(
 def output_images(history: dict, node_id: str) -> list[dict]:
     """The `images` entries ({filename, subfolder, type}) a node reported in a history entry."""
     return history["outputs"].get(node_id, {}).get("images", [])
+
+
+def saved_latent(history: dict, output_dir, node_id: str = "10"):
+    """The latent tensor (a copy) that the SaveLatent node `node_id` wrote under `output_dir` in a history entry."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    entry = history["outputs"][node_id]["latents"][0]
+    with safe_open(str(Path(output_dir) / entry["subfolder"] / entry["filename"]), framework="pt") as f:
+        return f.get_tensor("latent_tensor").clone()

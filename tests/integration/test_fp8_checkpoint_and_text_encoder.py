@@ -24,23 +24,17 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import fp8_files
 from helpers.host import comfy_in_process
-from helpers.graphs import TINY_CLIP_L, TINY_UNET, TINY_VAE, output_images, sd3_txt2img
+from helpers.graphs import TINY_CLIP_L, TINY_UNET, TINY_VAE, output_images, saved_latent, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "a red apple on a wooden table"
 _counter = itertools.count()
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def _options() -> dict:
@@ -49,9 +43,7 @@ def _options() -> dict:
 
 def _run(comfy, output_dir, graph) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     hist = comfy.run(graph)
-    entry = hist["outputs"]["10"]["latents"][0]
-    with safe_open(str(output_dir / entry["subfolder"] / entry["filename"]), framework="pt") as f:
-        latent = f.get_tensor("latent_tensor").clone()
+    latent = saved_latent(hist, output_dir)
     image = None
     images = output_images(hist, "9")
     if images:

@@ -16,21 +16,15 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers import fp8_files
-from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, saved_latent, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 _counter = itertools.count()
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def stock_loader(name: str) -> dict:
@@ -39,10 +33,7 @@ def stock_loader(name: str) -> dict:
 
 def latent_of(comfy, output_dir, graph) -> tuple[torch.Tensor, dict]:
     hist = comfy.run(graph)
-    entry = hist["outputs"]["10"]["latents"][0]
-    path = output_dir / entry["subfolder"] / entry["filename"]
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor("latent_tensor").clone(), hist
+    return saved_latent(hist, output_dir), hist
 
 
 def sample(comfy, output_dir, model: dict, *, seed: int = 0, extra: dict | None = None, model_ref=None):

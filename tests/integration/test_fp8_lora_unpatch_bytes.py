@@ -12,39 +12,21 @@ import contextlib
 import pytest
 import torch
 
-from helpers import fp8_files
-from helpers.host import comfy_in_process
+from helpers import lora as lora_helpers
+from helpers.lora import LORA_LAYERS, lora_delta, make_lora
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
-
-LORA_LAYERS = ("joint_blocks.0.x_block.mlp.fc1", "joint_blocks.0.x_block.attn.qkv", "joint_blocks.1.x_block.mlp.fc2")
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 @pytest.fixture(scope="module")
 def comfy_modules():
-    comfy_in_process()
-    import comfy.lora
-    import comfy.sd
-
-    from fp8_engram.nodes.ops import make_fp8_ops
-
-    return comfy.sd, make_fp8_ops
+    return lora_helpers.comfy_modules()
 
 
 @pytest.fixture(scope="module")
 def fp8_file(tiny_models_cache, tmp_path_factory):
-    from safetensors.torch import load_file
-
-    sd = load_file(str(tiny_models_cache / "diffusion_models" / "tiny_sd3.safetensors"))
-    path = tmp_path_factory.mktemp("fp8_lora") / "tiny_sd3_fp8.safetensors"
-    fp8_files.write_format(sd, path, "comfy_quant_metadata")
-    return path
+    return lora_helpers.write_tiny_fp8(tiny_models_cache, tmp_path_factory.mktemp("fp8_lora"), "comfy_quant_metadata")
 
 
 def _load(comfy_modules, path):
@@ -56,26 +38,8 @@ def _load(comfy_modules, path):
     return comfy_sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": make_fp8_ops(cfg)})
 
 
-def _lora(model) -> dict:
-    g = torch.Generator().manual_seed(5)
-    lora = {}
-    dm = model.model.diffusion_model
-    for layer in LORA_LAYERS:
-        w = dm.get_submodule(layer).weight
-        lora[f"diffusion_model.{layer}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.1
-        lora[f"diffusion_model.{layer}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.1
-    return lora
-
-
 def _snapshot(model) -> dict:
-    from fp8_engram.quant import QuantizedTensor
-
-    out = {}
-    for name, m in model.model.diffusion_model.named_modules():
-        w = getattr(m, "weight", None)
-        if isinstance(w, QuantizedTensor):
-            out[name] = (w.qdata.view(torch.uint8).clone(), w.scale.clone(), w.layout, w.fp8_dtype, w.dequantize(torch.float64))
-    return out
+    return lora_helpers.snapshot(model, lambda w: w.fp8_dtype)
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["replace", "inplace"])
@@ -87,7 +51,7 @@ def test_unpatching_a_lora_restores_the_fp8_bytes_and_scales_exactly(comfy_modul
     base = _load(comfy_modules, fp8_file)
     before = _snapshot(base)
     assert len(before) == 24
-    lora = _lora(base)
+    lora = make_lora(base)
     ctx = torch.inference_mode() if mode == "inference_mode" else contextlib.nullcontext()
     with ctx:
         patched, _ = comfy_sd.load_lora_for_models(base, None, lora, 1.0, 0.0)
@@ -95,9 +59,7 @@ def test_unpatching_a_lora_restores_the_fp8_bytes_and_scales_exactly(comfy_modul
         patched.patch_model(device_to=torch.device("cpu"))
         during = _snapshot(patched)
         for layer in LORA_LAYERS:
-            up = lora[f"diffusion_model.{layer}.lora_up.weight"].double()
-            down = lora[f"diffusion_model.{layer}.lora_down.weight"].double()
-            want = before[layer][4] + up @ down
+            want = before[layer][4] + lora_delta(lora, layer)
             q = sqnr(want, during[layer][4])
             assert q > 25.0, f"{layer}: patched weight vs dequantized + LoRA delta {q:.1f} dB"
             assert not torch.equal(during[layer][0], before[layer][0])  # the patch really changed the bytes

@@ -14,39 +14,21 @@ import contextlib
 import pytest
 import torch
 
-from helpers import fp8_files
-from helpers.host import comfy_in_process
+from helpers import lora as lora_helpers
+from helpers.lora import LORA_LAYERS, lora_delta, make_lora
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
-
-LORA_LAYERS = ("joint_blocks.0.x_block.mlp.fc1", "joint_blocks.0.x_block.attn.qkv", "joint_blocks.1.x_block.mlp.fc2")
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 @pytest.fixture(scope="module")
 def comfy_modules():
-    comfy_in_process()
-    import comfy.lora
-    import comfy.sd
-
-    from fp8_engram.nodes.ops import make_fp8_ops
-
-    return comfy.sd, make_fp8_ops
+    return lora_helpers.comfy_modules()
 
 
 @pytest.fixture(scope="module")
 def fp8_file(tiny_models_cache, tmp_path_factory):
-    from safetensors.torch import load_file
-
-    sd = load_file(str(tiny_models_cache / "diffusion_models" / "tiny_sd3.safetensors"))
-    path = tmp_path_factory.mktemp("int8_lora") / "tiny_sd3_fp8.safetensors"
-    fp8_files.write_format(sd, path, "comfy_quant_per_layer")
-    return path
+    return lora_helpers.write_tiny_fp8(tiny_models_cache, tmp_path_factory.mktemp("int8_lora"), "comfy_quant_per_layer")
 
 
 def _load(comfy_modules, path):
@@ -61,27 +43,8 @@ def _load(comfy_modules, path):
     return model, ops, fp8
 
 
-def _lora(model) -> dict:
-    g = torch.Generator().manual_seed(5)
-    lora = {}
-    dm = model.model.diffusion_model
-    for layer in LORA_LAYERS:
-        w = dm.get_submodule(layer).weight
-        lora[f"diffusion_model.{layer}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.1
-        lora[f"diffusion_model.{layer}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.1
-    return lora
-
-
 def _snapshot(model) -> dict:
-    from fp8_engram.quant import QuantizedTensor
-
-    out = {}
-    for name, m in model.model.diffusion_model.named_modules():
-        w = getattr(m, "weight", None)
-        if isinstance(w, QuantizedTensor):
-            out[name] = (w.qdata.view(torch.uint8).clone(), w.scale.clone(), w.layout, w.qdata.dtype,
-                         w.dequantize(torch.float64))
-    return out
+    return lora_helpers.snapshot(model, lambda w: w.qdata.dtype)
 
 
 def test_int8_load_converts_every_fp8_layer_and_reports_its_sqnr(comfy_modules, fp8_file):
@@ -108,7 +71,7 @@ def test_unpatching_a_lora_restores_the_int8_bytes_and_scales_exactly(comfy_modu
 
     base, _, _ = _load(comfy_modules, fp8_file)
     before = _snapshot(base)
-    lora = _lora(base)
+    lora = make_lora(base)
     ctx = torch.inference_mode() if mode == "inference_mode" else contextlib.nullcontext()
     with ctx:
         patched, _ = comfy_sd.load_lora_for_models(base, None, lora, 1.0, 0.0)
@@ -116,9 +79,7 @@ def test_unpatching_a_lora_restores_the_int8_bytes_and_scales_exactly(comfy_modu
         patched.patch_model(device_to=torch.device("cpu"))
         during = _snapshot(patched)
         for layer in LORA_LAYERS:
-            up = lora[f"diffusion_model.{layer}.lora_up.weight"].double()
-            down = lora[f"diffusion_model.{layer}.lora_down.weight"].double()
-            want = before[layer][4] + up @ down
+            want = before[layer][4] + lora_delta(lora, layer)
             q = sqnr(want, during[layer][4])
             assert q > 35.0, f"{layer}: patched weight vs dequantized + LoRA delta {q:.1f} dB"
             assert not torch.equal(during[layer][0], before[layer][0])

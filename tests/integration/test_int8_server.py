@@ -17,17 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import fp8_files
-from helpers.graphs import TINY_UNET, sd3_txt2img
+from helpers.graphs import TINY_UNET, saved_latent, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 _counter = itertools.count()
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def loader(name: str, compute_path: str) -> dict:
@@ -38,9 +33,7 @@ def loader(name: str, compute_path: str) -> dict:
 
 def sample(comfy, output_dir, model: dict, seed: int = 3):
     hist = comfy.run(sd3_txt2img(model=model, save="latent", seed=seed, prefix=f"int8t{next(_counter)}"))
-    entry = hist["outputs"]["10"]["latents"][0]
-    with safe_open(str(output_dir / entry["subfolder"] / entry["filename"]), framework="pt") as f:
-        return f.get_tensor("latent_tensor").clone(), hist
+    return saved_latent(hist, output_dir), hist
 
 
 @pytest.fixture(scope="module")

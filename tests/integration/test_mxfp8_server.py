@@ -19,21 +19,15 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers import comfy029, fp8_files
-from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, saved_latent, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 NAME = "mxfp8_tiny_sd3.safetensors"
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def _pack_written(sd: dict) -> dict:
@@ -73,9 +67,7 @@ def mxfp8_file(comfyui_tree, models_dir):
 
 def _latent(comfy, output_dir, loader: dict, prefix: str) -> tuple[torch.Tensor, dict]:
     hist = comfy.run(sd3_txt2img(model=loader, save="latent", seed=5, prefix=prefix))
-    entry = hist["outputs"]["10"]["latents"][0]
-    with safe_open(str(output_dir / entry["subfolder"] / entry["filename"]), framework="pt") as f:
-        return f.get_tensor("latent_tensor").clone(), hist
+    return saved_latent(hist, output_dir), hist
 
 
 def test_mxfp8_file_loads_in_the_pack_and_samples_like_full_precision(comfy, output_dir, mxfp8_file):

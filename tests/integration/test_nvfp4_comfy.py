@@ -17,23 +17,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers import comfy029, fp8_files
-from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, saved_latent, sd3_txt2img
 from helpers.host import comfy_in_process
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
 NAME = "nvfp4_tiny_sd3.safetensors"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +98,7 @@ def nvfp4_file(stock, models_dir):
 
 def _latent(comfy, output_dir, loader: dict, prefix: str) -> tuple[torch.Tensor, dict]:
     hist = comfy.run(sd3_txt2img(model=loader, save="latent", seed=5, prefix=prefix))
-    entry = hist["outputs"]["10"]["latents"][0]
-    with safe_open(str(output_dir / entry["subfolder"] / entry["filename"]), framework="pt") as f:
-        return f.get_tensor("latent_tensor").clone(), hist
+    return saved_latent(hist, output_dir), hist
 
 
 def _stock_loader(name: str) -> dict:

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 
 from helpers import comfy029
-from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, saved_latent, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
@@ -26,17 +27,9 @@ SCALE_DTYPE = {"nvfp4": "F8_E4M3", "mxfp8": "F8_E8M0"}
 DATA_DTYPE = {"nvfp4": "U8", "mxfp8": "F8_E4M3"}
 
 
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
-
-
 def _latent(comfy, output_dir, graph) -> tuple[torch.Tensor, dict]:
     hist = comfy.run(graph)
-    entry = hist["outputs"]["10"]["latents"][0]
-    with safe_open(str(output_dir / entry["subfolder"] / entry["filename"]), framework="pt") as f:
-        return f.get_tensor("latent_tensor").clone(), hist
+    return saved_latent(hist, output_dir), hist
 
 
 def _stock(name: str) -> dict:

@@ -17,11 +17,11 @@ import itertools
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import fp8_files
-from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, saved_latent, sd3_txt2img
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
@@ -30,17 +30,8 @@ TRACED = "torch.compile is tracing FP8 linears"
 _counter = itertools.count()
 
 
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    err = (ref - x.double()).norm()
-    return float("inf") if float(err) == 0 else float(20 * torch.log10(ref.norm() / err))
-
-
 def latent(comfy, output_dir, graph) -> torch.Tensor:
-    hist = comfy.run(graph)
-    entry = hist["outputs"]["10"]["latents"][0]
-    with safe_open(str(output_dir / entry["subfolder"] / entry["filename"]), framework="pt") as f:
-        return f.get_tensor("latent_tensor").clone()
+    return saved_latent(comfy.run(graph), output_dir)
 
 
 @pytest.fixture(scope="module")

@@ -20,66 +20,25 @@ ROWS = [40, 24]  # per rank
 ENTRIES = 3
 
 
-def _align4(x: int) -> int:
-    return -(-x // 4) * 4
-
-
 def _tables(world: int, fp8: bool):
-    g = torch.Generator().manual_seed(1234)
-    full = [torch.randn(world * n, HIDDEN, generator=g) for n in ROWS]
-    if not fp8:
-        return [t.bfloat16() for t in full], None
-    from fp8_engram.engram import ue8m0
+    from helpers.engram_tables import seeded_tables
 
-    pairs = [ue8m0.quantize_rows(t) for t in full]
-    return [q for q, _ in pairs], [s for _, s in pairs]
-
-
-def _expected_rows(full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    ids = ids.reshape(-1).tolist()
-    out = torch.zeros(len(ids), full.shape[1], dtype=torch.uint8 if full.dtype == torch.float8_e4m3fn else full.dtype)
-    src = full.view(torch.uint8) if full.dtype == torch.float8_e4m3fn else full
-    for i, g in enumerate(ids):
-        if 0 <= g < full.shape[0]:
-            out[i] = src[g]
-    return out
+    return seeded_tables([world * n for n in ROWS], HIDDEN, fp8, seed=1234)
 
 
 def _check_case(buffer, world: int, fp8: bool, tokens: int, tma: bool, order: list[int]) -> None:
+    from helpers.engram_tables import check_fetch, seeded_indices
+
     full, sfs = _tables(world, fp8)
-    g = torch.Generator().manual_seed(tokens * 7 + int(tma))
-    indices = torch.randint(-3, world * max(ROWS) + 5, (len(ROWS), tokens, ENTRIES), generator=g, dtype=torch.int32)
-    indices[0, 0, 0] = -1
-    indices[-1, -1, -1] = world * ROWS[-1]  # first id past the table
-    hooks = buffer.fetch(indices, num_qps=0, use_tma_aligned_col_major_sf=tma)
-    assert len(hooks) == len(ROWS)
-    for layer in order:
-        result = hooks[layer]()
-        data, sf = result if fp8 else (result, None)
-        assert data.shape == (tokens, ENTRIES * HIDDEN) and data.is_contiguous()
-        assert data.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
-        expect = _expected_rows(full[layer], indices[layer])
-        got = data.view(torch.uint8) if fp8 else data
-        assert torch.equal(got.reshape(-1, HIDDEN), expect), f"data of layer {layer}"
-        if fp8:
-            packs = sfs[0].shape[1]
-            width = ENTRIES * packs
-            assert sf.dtype == torch.int32 and sf.shape == (tokens, width)
-            if tma:
-                mn = _align4(tokens)
-                assert sf.stride() == (1, mn)
-                assert sf.storage_offset() == layer * width * mn
-                assert tuple(sf._base.shape) == (len(ROWS), width * mn)
-            else:
-                assert sf.stride() == (width, 1)
-            expect_sf = _expected_rows(sfs[layer], indices[layer]).reshape(tokens, width)
-            assert torch.equal(sf.contiguous(), expect_sf), f"scales of layer {layer}"
+    indices = seeded_indices([world * n for n in ROWS], ENTRIES, tokens, seed=tokens * 7 + int(tma))
+    check_fetch(buffer, full, sfs, indices, tma, order)
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, os.environ["ENGRAM_TEST_PKG"])
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
     from fp8_engram.engram import ue8m0
     from fp8_engram.engram.allocators import shared_memory_allocator
     from fp8_engram.engram.buffer import LocalEngramBuffer

@@ -40,36 +40,21 @@ def _pkg_parent() -> str:
 
 def _tables(world: int, fp8: bool):
     """Full tables (every rank's rows) and, for FP8, their scales; the same on every rank (seeded)."""
-    g = torch.Generator().manual_seed(4321)
-    full = [torch.randn(world * n, HIDDEN, generator=g) for n in ROWS]
-    if not fp8:
-        return [t.bfloat16() for t in full], None
-    from fp8_engram.engram import ue8m0
+    from helpers.engram_tables import seeded_tables
 
-    pairs = [ue8m0.quantize_rows(t) for t in full]
-    return [q for q, _ in pairs], [s for _, s in pairs]
+    return seeded_tables([world * n for n in ROWS], HIDDEN, fp8, seed=4321)
 
 
 def _indices(world: int, tokens: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(-3, world * max(ROWS) + 5, (len(ROWS), tokens, ENTRIES), generator=g, dtype=torch.int32)
-    idx[0, 0, 0] = -1
-    idx[-1, -1, -1] = world * ROWS[-1]  # first id past the table
-    return idx
+    from helpers.engram_tables import seeded_indices
 
-
-def expected_rows(full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Independent reference: row by row from the full CPU table, zero for invalid ids (bytes for FP8)."""
-    src = full.view(torch.uint8) if full.dtype == torch.float8_e4m3fn else full
-    out = torch.zeros(ids.numel(), src.shape[1], dtype=src.dtype)
-    for i, g in enumerate(ids.reshape(-1).tolist()):
-        if 0 <= g < src.shape[0]:
-            out[i] = src[g]
-    return out
+    return seeded_indices([world * n for n in ROWS], ENTRIES, tokens, seed)
 
 
 def check_results(results: list, indices: torch.Tensor, full: list, sfs: list | None, tma: bool) -> int:
     """Assert that fetched hook results equal the reference for `indices` (CPU); returns checks made."""
+    from helpers.engram_tables import expected_rows
+
     fp8 = sfs is not None
     tokens = indices.shape[1]
     checks = 0
@@ -135,6 +120,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device_kind: str,
     import torch.distributed as dist
 
     sys.path.insert(0, os.environ["ENGRAM_TEST_PKG"])
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
     from fp8_engram.engram import ue8m0
     from fp8_engram.engram.buffer import LocalEngramBuffer
     from fp8_engram.engram.allocators import barrier

@@ -15,6 +15,7 @@ from fp8_engram.engram import ue8m0
 from fp8_engram.engram.host_tier import HostEngramBuffer, HostRowStore, HostTable, choose_placement
 from fp8_engram.engram.store import LocalRowStore
 from fp8_engram.engram.table_file import write_table_file
+from helpers.engram_tables import check_fetch, seeded_indices, seeded_tables
 
 pytestmark = pytest.mark.unit
 
@@ -23,56 +24,14 @@ ROWS = [40, 24]
 ENTRIES = 3
 
 
-def _align4(x: int) -> int:
-    return -(-x // 4) * 4
-
-
 def _tables(fp8: bool, sf_dtype: torch.dtype = torch.int32):
-    g = torch.Generator().manual_seed(1234)
-    full = [torch.randn(n, HIDDEN, generator=g) for n in ROWS]
-    if not fp8:
-        return [t.bfloat16() for t in full], None
-    pairs = [ue8m0.quantize_rows(t) for t in full]
-    return [q for q, _ in pairs], [s.view(sf_dtype) for _, s in pairs]
-
-
-def _expected_rows(full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The oracle: row by row, from the full table; zeros for ids outside it."""
-    src = full.view(torch.uint8) if full.dtype == torch.float8_e4m3fn else full
-    out = torch.zeros(ids.numel(), full.shape[1], dtype=src.dtype)
-    for i, g in enumerate(ids.reshape(-1).tolist()):
-        if 0 <= g < full.shape[0]:
-            out[i] = src[g]
-    return out
+    full, sfs = seeded_tables(ROWS, HIDDEN, fp8, seed=1234)
+    return full, None if sfs is None else [s.view(sf_dtype) for s in sfs]
 
 
 def _check_fetch(buffer, full, sfs, fp8: bool, tokens: int, tma: bool, order) -> None:
-    g = torch.Generator().manual_seed(tokens * 7 + int(tma))
-    indices = torch.randint(-3, max(ROWS) + 5, (len(ROWS), tokens, ENTRIES), generator=g, dtype=torch.int32)
-    indices[0, 0, 0] = -1
-    indices[-1, -1, -1] = ROWS[-1]  # first id past the table
-    hooks = buffer.fetch(indices, num_qps=0, use_tma_aligned_col_major_sf=tma)
-    assert len(hooks) == len(ROWS)
-    for layer in order:
-        result = hooks[layer]()
-        data, sf = result if fp8 else (result, None)
-        assert data.shape == (tokens, ENTRIES * HIDDEN) and data.is_contiguous()
-        assert data.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
-        got = data.view(torch.uint8) if fp8 else data
-        assert torch.equal(got.reshape(-1, HIDDEN), _expected_rows(full[layer], indices[layer])), f"data of layer {layer}"
-        if fp8:
-            packs = sfs[0].shape[1]
-            width = ENTRIES * packs
-            assert sf.dtype == sfs[0].dtype and sf.shape == (tokens, width)
-            if tma:
-                mn = _align4(tokens)
-                assert sf.stride() == (1, mn)
-                assert sf.storage_offset() == layer * width * mn
-                assert tuple(sf._base.shape) == (len(ROWS), width * mn)
-            else:
-                assert sf.stride() == (width, 1)
-            expect_sf = _expected_rows(sfs[layer], indices[layer]).reshape(tokens, width)
-            assert torch.equal(sf.contiguous(), expect_sf), f"scales of layer {layer}"
+    indices = seeded_indices(ROWS, ENTRIES, tokens, seed=tokens * 7 + int(tma))
+    check_fetch(buffer, full, sfs if fp8 else None, indices, tma, order)
 
 
 def _buffer(kind: str, fp8: bool, sf_dtype, tmp_path) -> tuple[HostEngramBuffer, list, list | None]:
