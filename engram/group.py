@@ -306,10 +306,12 @@ def cpu_group_cost(num_ranks: int, table_bytes: int, template_up: bool | None = 
     return table_bytes + workers * CPU_WORKER_BYTES + (CPU_TEMPLATE_BYTES if workers and not template_up else 0)
 
 
-def check_cpu_memory(num_ranks: int, table_bytes: int, meminfo: dict[str, int] | None = None, template_up: bool | None = None) -> None:
+def check_cpu_memory(num_ranks: int, table_bytes: int, meminfo: dict[str, int] | None = None, template_up: bool | None = None,
+                     subject: str | None = None) -> None:
     """Raise NotEnoughMemoryError, with the figures, when the machine's available memory (MemAvailable)
     minus a reserve (10 % of its memory, at least 1 GiB) cannot hold the tables and worker processes of
-    a CPU group of `num_ranks` ranks. Does nothing where /proc/meminfo cannot be read."""
+    a CPU group of `num_ranks` ranks. Does nothing where /proc/meminfo cannot be read. `subject` names
+    what needs the memory in the message when it is not a CPU group (e.g. a host-tier table)."""
     info = _meminfo() if meminfo is None else meminfo
     if not info or "MemAvailable" not in info:
         return
@@ -333,8 +335,9 @@ def check_cpu_memory(num_ranks: int, table_bytes: int, meminfo: dict[str, int] |
             fits = ranks
             break
     advice = (f"use at most {fits} CPU rank(s)" if fits else "make the tables smaller (fewer rows_per_head, heads or max_order, or fp8_e4m3fn)")
+    who = f"{num_ranks} CPU rank(s) need" if subject is None else f"{subject} needs"
     raise NotEnoughMemoryError(
-        f"{num_ranks} CPU rank(s) need about {_gib(need)} ({' + '.join(parts)}), but this machine has "
+        f"{who} about {_gib(need)} ({' + '.join(parts)}), but this machine has "
         f"{_gib(available)} available and {_gib(reserve)} of it stays free for ComfyUI and its models; {advice}")
 
 

@@ -457,6 +457,11 @@ def _placement_text(memory: EngramMemory) -> str:
 
 def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int, gpu_ranks: int = 0, placement: str = "device"):
     if placement == "host":
+        from ..engram.group import check_cpu_memory
+
+        # a new host-tier memory is a shared-memory segment: RAM, refused like CPU ranks when it cannot fit
+        # (its pages would be allocated by the first writes, and a full segment kills the process)
+        check_cpu_memory(1, table_bytes(rows_per_layer_fn(1), hidden, dtype), subject="a host-memory table (shared-memory segment)")
         return HostRowStore.new(rows_per_layer_fn(1), hidden, dtype)
     if devices == "auto" and torch.cuda.is_available():
         from ..engram.group import EngramGroup

@@ -161,12 +161,17 @@ def test_cpu_rank_workers_cost_little_private_memory(comfy, comfy_server):
 def test_rank_count_the_memory_cannot_hold_is_refused_with_figures_before_any_worker_starts(comfy, comfy_server):
     before = engram_workers(comfy_server)
     graph = memory_graph(new_memory(1 << 26, ranks=64), memorize=False)  # 1.6 G rows of 768 columns: terabytes
-    graph["30"]["inputs"].update({"heads": 6, "max_order": 5})
+    graph["30"]["inputs"].update({"heads": 6, "max_order": 5, "placement": "device"})
     started = time.monotonic()
     message = run_error(comfy, graph, timeout=60)
     assert time.monotonic() - started < 30
     assert "NotEnoughMemoryError" in message and "64 CPU rank(s) need about" in message and "available" in message, message
     assert engram_workers(comfy_server) <= before  # nothing was started
+    # placement auto sends a table this big to the host tier, whose shared-memory segment is RAM too
+    graph["30"]["inputs"]["placement"] = "auto"
+    message = run_error(comfy, graph, timeout=60)
+    assert "NotEnoughMemoryError" in message and "host-memory table" in message and "available" in message, message
+    assert engram_workers(comfy_server) <= before
 
 
 # ----- Save Engram Memory -----
