@@ -40,6 +40,18 @@ def jit_unspecialized(*names):
 
 
 @jit
+def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid` in grouped order: GROUP_M row tiles run side by side over
+    each column tile, so programs that run together share the weight's tiles in L2."""
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@jit
 def round_bf16(x):
     """float32 -> the nearest bfloat16 value (ties to even), still as float32 (exact to cast)."""
     bits = x.to(tl.uint32, bitcast=True)

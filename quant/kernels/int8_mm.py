@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..int8_layout import hadamard, int8_scale, rotate
-from ._triton import HAS_TRITON, INTERPRET, jit, tl, triton
+from ._triton import HAS_TRITON, INTERPRET, grouped_tile, jit, tl, triton
 
 __all__ = ["quantize_rows_int8", "quantize_rows_int8_torch", "int8_linear_mm", "int8_linear_mm_torch",
            "use_triton"]
@@ -137,16 +137,7 @@ def _int8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, K,
                       sam, sak, sbn, sbk, scm, scn,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                       HAS_BIAS: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    # grouped order: consecutive programs share B tiles in L2
-    width = GROUP_M * grid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, INTERPRET, fp8_bits_to_f32, jit, round_bf16, tl, triton
+from ._triton import HAS_TRITON, INTERPRET, fp8_bits_to_f32, grouped_tile, jit, round_bf16, tl, triton
 
 __all__ = ["supported", "nvfp4_linear_triton", "nvfp4_linear_torch", "table_config"]
 
@@ -53,15 +53,7 @@ def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ts, M, N, K, KP,
                        HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, UPCAST: tl.constexpr,
                        EXACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    width = GROUP_M * grid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
 
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)

@@ -31,7 +31,7 @@ import torch
 
 import functools
 
-from ._triton import (HAS_TRITON, INTERPRET, fp8_bits_to_f32, jit, jit_unspecialized, round_bf16,
+from ._triton import (HAS_TRITON, INTERPRET, fp8_bits_to_f32, grouped_tile, jit, jit_unspecialized, round_bf16,
                       tl, triton)
 from .dequant import native_fp8
 
@@ -62,16 +62,7 @@ def _wo_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
                     NATIVE: tl.constexpr, E5M2: tl.constexpr, UPCAST: tl.constexpr,
                     EXACT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    # grouped order: programs that run together share weight tiles in L2
-    width = GROUP_M * grid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
 
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
