@@ -123,6 +123,27 @@ def _rows(tool):
                     SCALES=scales, EVEN_K=True, EXACT=False, **flags, **cfg, grid=(1,)),
                 wgmma=cfg["BM"] >= 64)
 
+    # ----- the int8 GEMM (BM by token count, as _int8_linear_triton picks) and the NVFP4 GEMM (its table) -----
+    from fp8_engram.quant.kernels import int8_mm, nvfp4_gemm
+
+    i8 = torch.int8
+    for bm in (128, 64, 16):
+        add("int8_mm._int8_gemm_kernel", f"BM={bm} BN=128 BK=128 warps={8 if bm == 128 else 4} stages=3",
+            lambda: int8_mm._int8_gemm_kernel.warmup(
+                e(m_, k_, dtype=i8), e(n_, k_, dtype=i8), e(m_, dtype=f32), e(n_, dtype=f32),
+                e(n_, dtype=bf16), e(m_, n_, dtype=bf16), m_, n_, k_, k_, 1, k_, 1, n_, 1, BM=bm, BN=128,
+                BK=128, GROUP_M=8, HAS_BIAS=True, num_warps=8 if bm == 128 else 4, num_stages=3, grid=(1,)),
+            wgmma=bm >= 64)
+    for m_tokens in (16, 128, 4096):
+        cfg = nvfp4_gemm.table_config(m_tokens)
+        add("nvfp4_gemm._nvfp4_gemm_kernel",
+            f"M<={m_tokens}: BM={cfg['BM']} BN={cfg['BN']} BK={cfg['BK']} warps={cfg['num_warps']}",
+            lambda: nvfp4_gemm._nvfp4_gemm_kernel.warmup(
+                e(m_, k_, dtype=bf16), e(n_, k_ // 2, dtype=torch.uint8), e(n_, k_ // 16, dtype=torch.uint8),
+                e(n_, dtype=bf16), e(m_, n_, dtype=bf16), 1.0, m_, n_, k_, k_, k_, 1, k_ // 2, k_ // 16, n_,
+                HAS_BIAS=True, OUT_BF16=True, UPCAST=False, EXACT=False, **cfg, grid=(1,)),
+            wgmma=cfg["BM"] >= 64)
+
     # ----- the engram gather (FP8 rows with scale packs; bf16 rows), as fetch launches it -----
     fn = gather_triton._compiled()
     for hidden, packs in ((7168, 14), (1024, 0)):

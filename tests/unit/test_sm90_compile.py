@@ -5,7 +5,7 @@ path spills, or when a weight-only GEMM tile that Hopper's wgmma can serve uses 
 
 The compile tool (``../shared/tools/triton_sm90.py`` beside the checkout, or ``TRITON_SM90_TOOL``)
 makes Triton target sm_90 for its whole process, so the compiles run in a fresh subprocess
-(``sm90_compile_cases.py``), never under TRITON_INTERPRET. About 25 compiles; see the JSON's
+(``sm90_compile_cases.py``), never under TRITON_INTERPRET. About 31 compiles; see the JSON's
 ``seconds`` for how long they took.
 """
 
