@@ -105,16 +105,9 @@ def tiny_models_cache() -> Path:
 
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory, tiny_models_cache):
-    from comfyhost import ComfyServer
+    from helpers.host import start_server_with_tiny_models
 
-    base = tmp_path_factory.mktemp("comfy_base")
-    models = base / "models"
-    for src in tiny_models_cache.rglob("*.safetensors"):
-        dst = models / src.relative_to(tiny_models_cache)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.symlink_to(src)
-    server = ComfyServer(base_dir=base)
-    server.start()
+    server = start_server_with_tiny_models(tmp_path_factory.mktemp("comfy_base"), tiny_models_cache)
     yield server
     server.stop()
     if os.environ.get("CI") or os.environ.get("KEEP_COMFY_LOG"):

@@ -32,3 +32,14 @@ def comfy_in_process() -> Path:
 
     comfy.cli_args.args.cpu = True  # keep model_management away from CUDA at import
     return tree
+
+
+def start_server_with_tiny_models(base, tiny_models_cache):
+    """A started ComfyServer whose base directory `base` links every tiny model of the cache."""
+    from comfyhost import ComfyServer
+
+    for src in tiny_models_cache.rglob("*.safetensors"):
+        dst = base / "models" / src.relative_to(tiny_models_cache)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(src)
+    return ComfyServer(base_dir=base).start()

@@ -16,11 +16,10 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers import fp8_files
-from helpers.graphs import TINY_UNET, fp8_loader, sd3_txt2img
+from helpers.graphs import TINY_UNET, fp8_loader, saved_latent, sd3_txt2img
 
 pytestmark = pytest.mark.integration
 
@@ -103,24 +102,15 @@ def test_save_fp8_model_with_a_name_too_long_says_so(comfy, output_dir):
 
 @pytest.fixture(scope="module")
 def own_server(tmp_path_factory, tiny_models_cache):
-    from comfyhost import ComfyServer
+    from helpers.host import start_server_with_tiny_models
 
-    base = tmp_path_factory.mktemp("changing_files")
-    models = base / "models"
-    for src in tiny_models_cache.rglob("*.safetensors"):
-        dst = models / src.relative_to(tiny_models_cache)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.symlink_to(src)
-    server = ComfyServer(base_dir=base)
-    server.start()
+    server = start_server_with_tiny_models(tmp_path_factory.mktemp("changing_files"), tiny_models_cache)
     yield server
     server.stop()
 
 
 def latent(client, base, graph) -> torch.Tensor:
-    entry = client.run(graph)["outputs"]["10"]["latents"][0]
-    with safe_open(str(base / "output" / entry["subfolder"] / entry["filename"]), framework="pt") as f:
-        return f.get_tensor("latent_tensor").clone()
+    return saved_latent(client.run(graph), base / "output")
 
 
 def test_a_model_file_truncated_or_rewritten_while_loaded_does_not_kill_the_server(own_server, tiny_models_cache):
