@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from . import ue8m0
+from .table_file import TableFileError
 from .store import (
     check_buffer_indices,
     check_buffer_storages,
@@ -156,9 +157,14 @@ class HostTable:
         self.seqlock = _SeqLock()
         self._table_offsets, self._sf_offsets = list(table_offsets), list(sf_offsets or [])
         self._fd: int | None = None
+        self._file_state: tuple[int, int] | None = None
         if source is not None:
             self._fd = os.open(source, os.O_RDONLY)
             self._fd_closer = weakref.finalize(self, os.close, self._fd)
+            self._file_state = _file_state(self._fd)
+            if self._file_state[0] != backing.numel():
+                raise TableFileError(f"{source}: the file changed while it was being loaded ({backing.numel()} bytes mapped, "
+                                     f"{self._file_state[0]} bytes now); load it again")
 
         def region(offset: int, n: int, width: int) -> torch.Tensor:
             return backing[offset : offset + n * width].view(n, width)
@@ -259,7 +265,28 @@ class HostTable:
 
     def read(self, fn: Callable[[], Any]) -> Any:
         """Run a gather so that it sees no write half done (see the module docstring)."""
+        self.check_source()
         return self.seqlock.read(fn)
+
+    def check_source(self) -> None:
+        """Refuse to read a mapped table file that changed on disk since it was mapped.
+
+        Saves replace a file by renaming a new one into place, which leaves this map's file intact; but a
+        file overwritten in place (`cp new.safetensors memory.safetensors` truncates it first) would make
+        every read of a page past its new end kill the process with SIGBUS, and a rewrite of the same
+        size would serve another memory's rows. One fstat per fetch (about a microsecond) catches both
+        before any page is touched; a truncation in the microseconds between the check and the gather
+        remains possible, as with any mapped file."""
+        if self._fd is None:
+            return
+        now = _file_state(self._fd)
+        if now != self._file_state:
+            (size, mtime), (new_size, new_mtime) = self._file_state, now
+            what = f"its size went from {size} to {new_size} bytes" if new_size != size else "it was rewritten in place (same size, new modification time)"
+            raise TableFileError(f"{self.source}: the memory file changed on disk after it was loaded ({what}); its rows can no "
+                                 "longer be read safely from this load. Load the memory again (Load Engram Memory reloads a "
+                                 "changed file on the next prompt); save memories to a new name or with Save Engram Memory, "
+                                 "which replaces a file without touching the loaded one")
 
     def write_rows(self, layer: int, rows: torch.Tensor, data: torch.Tensor, sf: torch.Tensor | None) -> None:
         """Encoded rows (unique valid ids, int64) into the layer, atomically for concurrent fetches."""
@@ -280,6 +307,11 @@ class HostTable:
         self.tables = self.table_words = []
         self.scales = self.sf_words = None
         self._backing = None
+
+
+def _file_state(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns
 
 
 def _segment(size: int) -> torch.Tensor:
@@ -554,6 +586,7 @@ class HostRowStore:
         views = [t.view(self.table_dtype).view(n, self.hidden) for t, n in zip(table.tables, self.rows_per_layer)]
         scales = [s.view(table.sf_dtype).view(n, self.num_sf_packs) for s, n in zip(table.scales, self.rows_per_layer)] if table.scales is not None else None
         with table.seqlock.lock:  # writers wait; fetches go on
+            table.check_source()
             if table.source is not None:
                 _advise(table._backing, _MADV_NORMAL)  # read the whole file with read-ahead
             try:

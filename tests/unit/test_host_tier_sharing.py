@@ -142,3 +142,52 @@ def test_writes_beside_fetches_never_tear_a_row(dtype):
         stop.set()
         writer.join()
     assert written[0] >= 5 and fetches >= 4
+
+
+_CHANGED_FILE_CHILD = """
+import os, sys, torch
+sys.path.insert(0, {package_parent!r})
+from fp8_engram.engram.host_tier import HostRowStore
+from fp8_engram.engram.table_file import TableFileError, write_table_file
+path, how = {path!r}, {how!r}
+store = HostRowStore.from_table_file(path)
+ids = torch.tensor([[[1, 4000]]], dtype=torch.int32)
+before = store.fetch_rows(ids)[0]
+if how == "truncate":
+    os.truncate(path, os.path.getsize(path) // 2)
+elif how == "rewrite":
+    with open(path, "r+b") as f:  # same size, other bytes: another memory copied over this one
+        f.seek(os.path.getsize(path) // 2)
+        f.write(bytes(4096))
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+else:  # a save: a new file renamed over the loaded one
+    write_table_file(path + ".new", [torch.zeros(4096, 512).bfloat16()])
+    os.replace(path + ".new", path)
+try:
+    after = store.fetch_rows(ids)[0]
+except TableFileError as e:
+    print("refused:", e, flush=True)
+else:
+    print("served", torch.equal(before, after), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["truncate", "rewrite", "replace"])
+def test_a_loaded_file_changed_on_disk_is_refused_not_a_crash(tmp_path, how):
+    """A mapped file truncated in place would kill the process with SIGBUS at the first read of a page past
+    its new end (run in a child, so that a regression shows as that child's death, not the test run's).
+    Truncated or rewritten in place: a TableFileError naming the file. Replaced by rename (what saves do):
+    the loaded rows go on being served."""
+    path = str(tmp_path / "changing.safetensors")
+    _table_file(path, 4096, 512)  # 4 MiB
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(fp8_engram.__file__)))
+    child = subprocess.run([sys.executable, "-c", _CHANGED_FILE_CHILD.format(package_parent=package_parent, path=path, how=how)],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, f"child died with {child.returncode}: {child.stderr[-2000:]}"
+    if how == "replace":
+        assert child.stdout.strip() == "served True", child.stdout
+    else:
+        assert child.stdout.startswith("refused:"), child.stdout
+        assert path in child.stdout and "changed on disk" in child.stdout
+        assert ("size went from" in child.stdout) == (how == "truncate"), child.stdout
