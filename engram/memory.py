@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import reprlib
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -56,8 +57,17 @@ def _shown(value: Any) -> str:
     """A short printable form of a metadata value of any size."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
         return f"a {value.bit_length()}-bit integer"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    text = _SHORT.repr(value)  # bounded: never the whole of a 100000-item list
+    text = text if len(text) <= 60 else text[:57] + "..."
+    if isinstance(value, (list, tuple, dict)) and len(value) > _SHORT.maxlist:
+        text += f" ({len(value)} items)"
+    return text
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = 4
+_SHORT.maxstring = _SHORT.maxother = 40
+_SHORT.maxlevel = 3
 
 
 def _layout_from_metadata(streams: Mapping[str, Any]) -> StreamLayout:
