@@ -20,7 +20,7 @@ round encodes another prompt (other rows), side by side:
 Target with a 4 GiB host table: engram/plain <= 1.05. The table file is deleted at the end.
 
 Usage: python bench/engram_encode.py [--ranks 2] [--rows-per-head 262144] [--dtype fp8|bf16] [--repeats 20]
-       python bench/engram_encode.py --placement host [--table-gib 4] [--dir /tmp]
+       python bench/engram_encode.py --placement host [--table-gib 4] [--dir /tmp] [--encoder-threads N]
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placement", choices=["device", "host"], default="device", help="CPU ranks, or the host tier (a mapped table file)")
     parser.add_argument("--table-gib", type=float, default=4.0, help="host tier: table size in GiB (at least)")
     parser.add_argument("--dir", type=Path, default=None, help="host tier: where the table file is written (default: the temp folder)")
+    parser.add_argument("--encoder-threads", type=int, default=None,
+                        help="host tier: torch intra-op threads (default: torch's, one per core); fewer than the cores leaves one free for the lookup")
     parser.add_argument("--clip", type=Path, default=ROOT / ".host" / "cache" / "models" / "text_encoders" / "tiny_clip_l.safetensors")
     args = parser.parse_args(argv)
 
@@ -142,6 +144,8 @@ def host_main(args) -> int:
     comfy.cli_args.args.cpu = True
     import torch
 
+    if args.encoder_threads:
+        torch.set_num_threads(args.encoder_threads)
     import comfy.sd
     from fp8_engram.engram.host_tier import HostRowStore, table_bytes
     from fp8_engram.engram.memory import EngramMemory, config_from_table_file, make_config
@@ -253,7 +257,8 @@ def host_main(args) -> int:
             "lookup_ms": round(lookup_ms, 3), "ratio": round(med["engram"] / med["plain"], 4),
             "serial_ratio": round(med["serial"] / med["plain"], 4), "control_ms": round(med["control"], 3),
             "engram_over_control": round(med["engram"] / med["control"], 4), "paired_ratio": round(paired, 4),
-            "paired_over_control": round(paired_control, 4), "lookup_over_plain": round(lookup_ms / med["plain"], 5), "target_ratio": 1.05, "repeats": args.repeats, "moved": moved,
+            "paired_over_control": round(paired_control, 4), "lookup_over_plain": round(lookup_ms / med["plain"], 5), "target_ratio": 1.05,
+            "repeats": args.repeats, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "moved": moved,
         }))
     finally:
         if memory is not None:
