@@ -27,7 +27,7 @@ import torch
 from ..int8_layout import hadamard, int8_scale, rotate
 from ._triton import HAS_TRITON, INTERPRET, grouped_tile, jit, tl, triton
 
-__all__ = ["quantize_rows_int8", "quantize_rows_int8_torch", "int8_linear_mm", "int8_linear_mm_torch",
+__all__ = ["quantize_rows_int8", "quantize_rows_int8_torch", "kernel_quantizes", "int8_linear_mm", "int8_linear_mm_torch",
            "use_triton"]
 
 _RNE = 12582912.0  # 1.5 * 2**23: (v + c) - c rounds a float32 |v| < 2**22 to an integer, ties to even
@@ -183,12 +183,20 @@ def _int8_linear_triton(xq, sa, wq, sb, bias, out_dtype):
 # ---------------------------------------------------------------------------------------------
 
 
+def kernel_quantizes(dtype: torch.dtype, rotation: int) -> bool:
+    """Whether the fused Triton quantizer serves this activation dtype and rotation block on a GPU.
+
+    Rotations wider than 128 (ComfyUI's ConvRot 256) need an H that does not fit a program (128 KiB
+    of bf16 for 256: more shared memory than an RTX 3090 gives a block), rotations under 16 (a file's
+    ConvRot group size 4) are narrower than the smallest tensor-core dot, and float32 activations would
+    take the float32 dot, which spills at sm_90 (its 128x128 H in registers): all three go to cuBLAS
+    for the rotation and torch for the rounding."""
+    return dtype in (torch.bfloat16, torch.float16) and (rotation == 0 or 16 <= rotation <= 128)
+
+
 def quantize_rows_int8(x2d: torch.Tensor, rotation: int = 0, regular: bool = False):
     """(int8 [M, K], float32 scales [M, 1]) of the (block-rotated) activation, one pass."""
-    # rotations wider than 128 (ComfyUI's ConvRot 256) need an H too large for one program's
-    # registers: there cuBLAS rotates and torch quantizes
-    if use_triton(x2d) and x2d.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
-            rotation <= 128:
+    if use_triton(x2d) and kernel_quantizes(x2d.dtype, rotation):
         return _quantize_rows_triton(x2d, rotation, regular)
     return quantize_rows_int8_torch(x2d, rotation, regular)
 

@@ -134,6 +134,15 @@ def _rows(tool):
                 e(n_, dtype=bf16), e(m_, n_, dtype=bf16), m_, n_, k_, k_, 1, k_, 1, n_, 1, BM=bm, BN=128,
                 BK=128, GROUP_M=8, HAS_BIAS=True, num_warps=8 if bm == 128 else 4, num_stages=3, grid=(1,)),
             wgmma=bm >= 64)
+    # the int8 path's activation quantizer at every rotation block and dtype int8_mm.kernel_quantizes
+    # sends it (bf16/fp16; no rotation, or a block of 16..128; wider, narrower and float32 go to torch)
+    for rb, x_dtype in ((128, bf16), (64, bf16), (16, torch.float16), (0, bf16)):
+        assert int8_mm.kernel_quantizes(x_dtype, rb)
+        add("int8_mm._quant_rows_kernel", f"BM=16 RB={rb or 128} {'rotated' if rb else 'plain'} {str(x_dtype).split('.')[-1]} warps=8 stages=1",
+            lambda: int8_mm._quant_rows_kernel.warmup(
+                e(m_, k_, dtype=x_dtype), e(rb or 128, rb or 128, dtype=x_dtype), e(m_, k_, dtype=i8), e(m_, 1, dtype=f32),
+                m_, k_, k_, 1, float((rb or 128) ** -0.5), BM=16, RB=rb or 128, ROT=bool(rb), F32_DOT=False,
+                num_warps=8, num_stages=1, grid=(1,)))
     for m_tokens in (16, 128, 4096):
         cfg = nvfp4_gemm.table_config(m_tokens)
         add("nvfp4_gemm._nvfp4_gemm_kernel",

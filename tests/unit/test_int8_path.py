@@ -163,6 +163,16 @@ def test_empty_and_odd_inputs():
     assert torch.equal(zero, torch.zeros(3, 24))
 
 
+def test_the_fused_quantizer_takes_only_what_it_can_compile_everywhere():
+    """bf16/fp16 with no rotation or a block of 16..128 go to the Triton quantizer on a GPU; ComfyUI's
+    ConvRot 256 (an H over an RTX 3090's shared memory), a file's group size 4 (under the smallest
+    tensor-core dot) and float32 (a spilling float32 dot) go to cuBLAS + torch."""
+    for dtype in (torch.bfloat16, torch.float16):
+        assert all(int8_mm.kernel_quantizes(dtype, r) for r in (0, 16, 32, 64, 128))
+        assert not any(int8_mm.kernel_quantizes(dtype, r) for r in (2, 4, 8, 256, 1024))
+    assert not any(int8_mm.kernel_quantizes(torch.float32, r) for r in (0, 16, 128))
+
+
 def test_the_torch_twin_quantizes_per_row_with_ties_to_even():
     x = torch.tensor([[127.0, 0.5, 1.5, -2.5, 3.49]])
     q, s = int8_mm.quantize_rows_int8_torch(x)
@@ -192,15 +202,17 @@ def test_a_failing_int8_kernel_falls_back_to_weight_only(monkeypatch):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 5)),
                     reason="needs a CUDA GPU with int8 tensor cores (capability 7.5+)")
-@pytest.mark.parametrize("rotation", [0, 128])
+@pytest.mark.parametrize("rotation,dtype", [(0, torch.bfloat16), (128, torch.bfloat16), (16, torch.float16),
+                                            (256, torch.bfloat16), (4, torch.bfloat16), (128, torch.float32)])
 @pytest.mark.parametrize("m", [1, 16, 300])
-def test_cuda_int8_path_matches_the_cpu_twin(rotation, m):
+def test_cuda_int8_path_matches_the_cpu_twin(rotation, dtype, m):
+    """Kernel-quantized (rotations 0/16/128 in bf16/fp16) and torch-quantized (256, 4, float32) alike."""
     w = qint8.to_int8(weight(256, 512), rotation=rotation)
     x = outlier_activation((m,), 512).to(torch.bfloat16)
     b = torch.randn(256).to(torch.bfloat16)
     cpu = qint8.int8_linear(x.float(), w, b.float(), torch.float32)
-    gpu = qint8.int8_linear(x.cuda(), w.to("cuda"), b.cuda(), torch.bfloat16)
-    assert gpu.dtype == torch.bfloat16 and sqnr(cpu, gpu.float().cpu()) > 40.0
+    gpu = qint8.int8_linear(x.to("cuda", dtype), w.to("cuda"), b.to("cuda", dtype), dtype)
+    assert gpu.dtype == dtype and sqnr(cpu, gpu.float().cpu()) > 40.0
     ref = F.linear(x.double(), w.dequantize(torch.float64), b.double())
     assert sqnr(ref, gpu.float().cpu()) > 27.0
 

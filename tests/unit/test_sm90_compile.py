@@ -5,7 +5,7 @@ path spills, or when a weight-only GEMM tile that Hopper's wgmma can serve uses 
 
 The compile tool (``../shared/tools/triton_sm90.py`` beside the checkout, or ``TRITON_SM90_TOOL``)
 makes Triton target sm_90 for its whole process, so the compiles run in a fresh subprocess
-(``sm90_compile_cases.py``), never under TRITON_INTERPRET. About 31 compiles; see the JSON's
+(``sm90_compile_cases.py``), never under TRITON_INTERPRET. About 35 compiles; see the JSON's
 ``seconds`` for how long they took.
 """
 
@@ -52,7 +52,8 @@ def test_every_kernel_compiles_for_sm90(compiled):
     names = {r["kernel"] for r in compiled}
     assert names >= {"act_quant._rows_kernel", "act_quant._groups_kernel", "dequant._dequant_kernel",
                      "weight_only_gemm._wo_gemm_small_m_kernel", "weight_only_gemm._wo_gemm_kernel",
-                     "weight_only_gemm._split_k_sum_kernel", "gather_triton.engram_gather_rows"}
+                     "weight_only_gemm._split_k_sum_kernel", "gather_triton.engram_gather_rows",
+                     "int8_mm._quant_rows_kernel", "int8_mm._int8_gemm_kernel", "nvfp4_gemm._nvfp4_gemm_kernel"}
     assert all(r["regs"] for r in compiled), "a compile reported no register count"
 
 
