@@ -125,6 +125,7 @@ def process_state(pid: int) -> str | None:
 # ----- the worker template (CPU workers are forked from it) -----
 
 _TEMPLATE_START_S = 120.0  # importing torch on a loaded machine
+TEMPLATE_LINGER_S = 60.0  # how long the template outlives its last group (a rebuild reuses it)
 
 
 class _ForkedProcess:
@@ -179,6 +180,7 @@ class _Template:
         self.replies: queue.Queue = queue.Queue()
         self.exits: dict[int, int] = {}
         self.ended = False
+        self.stopped = False
         threading.Thread(target=self._read, name="engram-template-reader", daemon=True).start()
         try:
             self._reply("start the engram worker template", _TEMPLATE_START_S)
@@ -233,16 +235,24 @@ class _Template:
         return code
 
     def release(self) -> None:
-        global _template
         with _template_lock:
             self.users -= 1
             if self.users > 0:
                 return
-            if _template is self:
-                _template = None
-        self.stop()
+            linger = TEMPLATE_LINGER_S if _template is self and self.alive else 0.0
+        if linger <= 0:
+            _stop_if_unused(self)
+            return
+        # A memory rebuilt with new settings closes its old group, then starts a new one: keep the
+        # template (a Python with torch imported, 5-10 s to start) that long rather than restart it.
+        timer = threading.Timer(linger, _stop_if_unused, args=(self,))
+        timer.name, timer.daemon = "engram-template-linger", True
+        timer.start()
 
     def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
         try:
             self.conn.send(("stop",))
         except OSError:
@@ -257,6 +267,27 @@ class _Template:
 
 _template: _Template | None = None
 _template_lock = threading.Lock()
+
+
+def _stop_if_unused(template: _Template) -> None:
+    global _template
+    with _template_lock:
+        if template.users > 0:
+            return
+        if _template is template:
+            _template = None
+    template.stop()
+
+
+def stop_idle_template() -> bool:
+    """Stop the worker template now if no group uses it (it otherwise lingers TEMPLATE_LINGER_S after its
+    last group); for "free memory" requests. True when one was stopped."""
+    with _template_lock:
+        template = _template
+    if template is None or template.users > 0:
+        return False
+    _stop_if_unused(template)
+    return not template.alive
 
 
 def _acquire_template() -> _Template:

@@ -24,7 +24,7 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
-from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES, EngramWorkerError
+from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES, EngramWorkerError, stop_idle_template
 from ..engram.host_tier import PLACEMENTS, HostRowStore, choose_placement, table_bytes
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
 from ..engram.store import LocalRowStore
@@ -349,6 +349,7 @@ def _install_release_hook() -> None:
             return original(*args, **kwargs)
         finally:
             release_all("released when ComfyUI freed model memory")
+            stop_idle_template()  # the worker template would otherwise linger a minute for a rebuild
 
     unload_all_models._fp8_engram_releases = True
     mm.unload_all_models = unload_all_models

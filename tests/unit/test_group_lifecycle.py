@@ -125,6 +125,43 @@ def test_three_cpu_groups_in_one_process_two_alive_at_once():
     assert not leftover_segments(os.getpid())
 
 
+def test_the_worker_template_outlives_its_last_group_for_a_rebuild(monkeypatch):
+    """A memory rebuilt with other settings closes its group, then makes a new one: the template the
+    workers fork from stays up TEMPLATE_LINGER_S for it (no 5-10 s restart), and goes once unused that
+    long or when asked (ComfyUI's "free model memory")."""
+    import time
+
+    from fp8_engram.engram import group as group_mod
+
+    def make(rows):
+        g = EngramGroup([rows], 256, torch.bfloat16, num_ranks=2, device="cpu", num_entries_per_token=ENTRIES, num_max_tokens=MAX_TOKENS)
+        check_group(g, _fill(g, rows), 1)
+        return g
+
+    monkeypatch.setattr(group_mod, "TEMPLATE_LINGER_S", 1.5)
+    first = make(200)
+    template = group_mod._template
+    assert template is not None and template.alive
+    first.close()
+    assert group_mod.template_running(), "the template stopped with its last group"
+    second = make(300)  # forked from the same template
+    assert group_mod._template is template
+    second.close()
+    deadline = time.monotonic() + 30
+    while not process_ended(template.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not group_mod.template_running() and process_ended(template.process.pid), "the idle template was not stopped"
+
+    monkeypatch.setattr(group_mod, "TEMPLATE_LINGER_S", 600.0)
+    third = make(100)
+    third_template = group_mod._template
+    third.close()
+    assert group_mod.template_running()
+    assert group_mod.stop_idle_template() and not group_mod.template_running()
+    assert process_ended(third_template.process.pid)
+    assert not group_mod.stop_idle_template()  # none left to stop
+
+
 def test_health_check_names_the_dead_rank():
     import signal
     import time
