@@ -288,3 +288,38 @@ def test_gpu_ranks_leave_cpu_memories_alone_and_a_change_rebuilds(comfy):
     assert shared["text"][0].split("version=")[0] == plain["text"][0].split("version=")[0]
     again = run(gpu_ranks=4)
     assert again.get("worker_pids", shared["worker_pids"]) == shared["worker_pids"]  # unchanged: the same memory
+
+
+def test_host_placed_memory_file_changed_in_place_is_reloaded_or_refused(comfy, models_dir):
+    """A memory placed on the host tier maps its file. Copying another memory over it in place (what `cp`
+    does: truncate, then write) makes the next prompt load the new contents; a file left truncated is a
+    named error, and the server keeps serving."""
+    graph = graph_with_memory(WITH_PHRASE, "engram_host_src", seed=6)
+    graph["50"] = {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["31", 0], "name": "host_memorized"}}
+    graph["51"] = {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["30", 0], "name": "host_empty"}}
+    comfy.run(graph)  # the memory as saved before Memorize ran (node 30's output) is all zero
+    folder = models_dir / "engram"
+    live = folder / "host_live.safetensors"
+    live.write_bytes((folder / "host_memorized.safetensors").read_bytes())
+
+    def probe(strength: float) -> dict:
+        g = {"2": sd3_txt2img()["2"],
+             "30": {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {
+                 "memory_name": live.name, "devices": "cpu", "cpu_ranks": 1, "placement": "host"}},
+             "3": encode(["30", 0], WITH_PHRASE, strength),
+             "40": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": WITH_PHRASE}},
+             "44": similarity(["3", 0], ["40", 0])}
+        return comfy.run(g)
+
+    first = probe(1.0)
+    assert sim_result(first, "44")["identical"] is False  # the memorized phrase moves the conditioning
+    assert "host" in "\n".join(first["outputs"]["30"]["text"])
+    with open(folder / "host_empty.safetensors", "rb") as src, open(live, "r+b") as dst:  # in place, as cp does
+        dst.truncate(0)
+        dst.write(src.read())
+    assert sim_result(probe(0.9), "44")["identical"] is True  # reloaded: the empty memory's zero rows
+    os.truncate(live, live.stat().st_size // 2)
+    with pytest.raises(WorkflowError, match="host_live.safetensors"):
+        probe(0.8)
+    live.unlink()
+    comfy.run(graph_with_memory(WITHOUT_PHRASE, "after_host_change", seed=8))  # the server keeps serving
