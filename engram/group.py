@@ -756,10 +756,12 @@ class EngramGroup:
         scales = [[sf for _, sf in layer] for layer in shards] if self.num_sf_packs else None
         write_table_file(path, tables, scales, hashing=hashing, streams=streams)
 
-    def load_table_file(self, path: str) -> dict:
+    def load_table_file(self, path: str, *, rows_needed: Sequence[int] | None = None) -> dict:
         """Load a table file: every rank reads only its own row ranges. Returns the file's metadata.
 
-        The file's layers may have fewer rows than this group's (padding); rows it lacks become zero.
+        The file's layers may have fewer rows than this group's (padding); rows it lacks become zero. With
+        `rows_needed` they may also have more (padding for another rank count, not read): see
+        TableFile.check_geometry.
         """
         from .table_file import TableFile
         from .worker import load_own_rows
@@ -767,7 +769,7 @@ class EngramGroup:
         buffer = self._ready("load a table file")
         path = os.path.abspath(path)
         with TableFile(path) as f:
-            f.check_geometry(self.rows_per_layer, self.hidden, self.table_dtype, allow_fewer_rows=True)
+            f.check_geometry(self.rows_per_layer, self.hidden, self.table_dtype, allow_fewer_rows=True, rows_needed=rows_needed)
             metadata = f.metadata
         self.last_load_ranges = {0: load_own_rows(buffer, 0, path)}
         for worker, ranges in zip(self._workers, self._command(("load", path), f"load {path}")):

@@ -595,12 +595,14 @@ class HostRowStore:
                 if table.source is not None:
                     _advise(table._backing, _MADV_RANDOM)
 
-    def load_table_file(self, path: str) -> dict:
-        """Map a table file of the same geometry in place of the current tables; returns its metadata."""
+    def load_table_file(self, path: str, *, rows_needed: Sequence[int] | None = None) -> dict:
+        """Map a table file of the same geometry (with `rows_needed`: any row count holding those, see
+        TableFile.check_geometry; the store takes the file's) in place of the current tables; returns its
+        metadata."""
         from .table_file import TableFile
 
         with TableFile(path) as f:
-            f.check_geometry(self.rows_per_layer, self.hidden, self.table_dtype)
+            f.check_geometry(self.rows_per_layer, self.hidden, self.table_dtype, rows_needed=rows_needed)
             metadata = f.metadata
         table = self.table
         new = HostTable.map_file(path)
@@ -608,5 +610,6 @@ class HostRowStore:
         with table.seqlock.lock:
             table.seqlock.seq += 1
             self._table = new
+            self.rows_per_layer = list(new.rows_per_layer)
             table.seqlock.seq += 1
         return metadata

@@ -248,13 +248,14 @@ class LocalRowStore:
         self._check_open()
         write_table_file(path, self.tables, self.scales, hashing=hashing, streams=streams)
 
-    def load_table_file(self, path: str) -> dict:
-        """Replace the tables with a table file's (same geometry and dtype); returns the file's metadata."""
+    def load_table_file(self, path: str, *, rows_needed: Sequence[int] | None = None) -> dict:
+        """Replace the tables with a table file's (same geometry and dtype; with `rows_needed`, any row count
+        holding those: see TableFile.check_geometry); returns the file's metadata."""
         from .table_file import TableFile
 
         self._check_open()
         with TableFile(path) as f:
-            f.check_geometry(self.rows_per_layer, self.hidden, self.table_dtype)
+            f.check_geometry(self.rows_per_layer, self.hidden, self.table_dtype, rows_needed=rows_needed)
             for layer in range(self.num_layers):
                 data, sf = f.read_rows(layer, 0, self.rows_per_layer[layer])
                 self.tables[layer].copy_(data)

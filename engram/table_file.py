@@ -281,11 +281,15 @@ class TableFile:
         except KeyError:
             raise TableFileError(f"{self.path}: key {key!r} is missing") from None
 
-    def check_geometry(self, rows_per_layer: Sequence[int], hidden: int, table_dtype: torch.dtype, *, allow_fewer_rows: bool = False) -> None:
+    def check_geometry(self, rows_per_layer: Sequence[int], hidden: int, table_dtype: torch.dtype, *, allow_fewer_rows: bool = False,
+                       rows_needed: Sequence[int] | None = None) -> None:
         """Raise TableFileError unless the file's tables fit the given geometry.
 
         With `allow_fewer_rows`, a layer of the file may have fewer rows than expected (a table padded to a
-        multiple of the rank count); the missing tail reads as zeros.
+        multiple of the rank count); the missing tail reads as zeros. With `rows_needed` (the rows a memory's
+        hashing can address, per layer), a layer may have more or fewer rows than expected as long as both
+        hold the needed ones: a memory saved at one rank count (its tables padded to a multiple of it) loads
+        at any other; the padding rows past the needed ones are never addressed, and are not read.
         """
         rows_per_layer = [int(n) for n in rows_per_layer]
         if table_dtype != self.table_dtype:
@@ -294,6 +298,16 @@ class TableFile:
             raise TableFileError(f"{self.path}: hidden is {self.hidden}, expected {hidden}")
         if len(rows_per_layer) != self.num_layers:
             raise TableFileError(f"{self.path}: {self.num_layers} layers, expected {len(rows_per_layer)}")
+        if rows_needed is not None:
+            needed = [int(n) for n in rows_needed]
+            if len(needed) != self.num_layers:
+                raise TableFileError(f"{self.path}: {self.num_layers} layers, the memory addresses {len(needed)}")
+            for layer, (have, want, need) in enumerate(zip(self.rows_per_layer, rows_per_layer, needed)):
+                if have < need:
+                    raise TableFileError(f"{self.path}: key {rows_key(layer)!r} has {have} rows, the memory addresses {need}")
+                if want < need:
+                    raise ValueError(f"layer {layer}: the tables hold {want} rows, fewer than the {need} the memory addresses")
+            return
         for layer, (have, want) in enumerate(zip(self.rows_per_layer, rows_per_layer)):
             if have > want or (have < want and not allow_fewer_rows):
                 raise TableFileError(f"{self.path}: key {rows_key(layer)!r} has {have} rows, expected {want}")

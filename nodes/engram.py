@@ -712,8 +712,8 @@ class LoadEngramMemory(io.ComfyNode):
             try:
                 # A cancel before or during the load: drop the tables (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
-                if placement != "host":
-                    store.load_table_file(path)
+                if placement != "host":  # a file saved at another rank count loads too (its padding rows differ)
+                    store.load_table_file(path, rows_needed=config.rows_per_layer(1))
                 comfy.model_management.throw_exception_if_processing_interrupted()
                 return wrap(store)
             except BaseException:
@@ -722,7 +722,7 @@ class LoadEngramMemory(io.ComfyNode):
 
         def reload(memory):
             comfy.model_management.throw_exception_if_processing_interrupted()
-            memory.store.load_table_file(path)
+            memory.store.load_table_file(path, rows_needed=config.rows_per_layer(1))
             memory.mark_untracked()
             memory.version += 1
             comfy.model_management.throw_exception_if_processing_interrupted()

@@ -323,3 +323,21 @@ def test_host_placed_memory_file_changed_in_place_is_reloaded_or_refused(comfy, 
         probe(0.8)
     live.unlink()
     comfy.run(graph_with_memory(WITHOUT_PHRASE, "after_host_change", seed=8))  # the server keeps serving
+
+
+def test_memory_saved_on_three_ranks_loads_on_one_and_two(comfy):
+    """Tables are padded to a multiple of the rank count (rows_per_head 4099 addresses 66692 rows: 66693 on 3
+    ranks): a memory saved on 3 CPU ranks (or a 3-GPU machine) loads with any other count and encodes the
+    same."""
+    graph = graph_with_memory(WITH_PHRASE, "engram_three", seed=6)
+    graph["30"] = new_memory(ranks=3)
+    graph["50"] = {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["31", 0], "name": "three_ranks"}}
+    for ranks, node in ((1, "51"), (2, "52")):
+        graph[node] = {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {
+            "memory_name": "three_ranks.safetensors", "devices": "cpu", "cpu_ranks": ranks}}
+    comfy.run({k: v for k, v in graph.items() if k not in ("51", "52")})
+    graph["53"], graph["54"] = encode(["51", 0], WITH_PHRASE), encode(["52", 0], WITH_PHRASE)
+    graph["55"], graph["56"] = similarity(["53", 0], ["3", 0]), similarity(["54", 0], ["3", 0])
+    history = comfy.run(graph)
+    assert sim_result(history, "55")["identical"] is True and sim_result(history, "56")["identical"] is True
+    assert sim_result(history, "44")["identical"] is False  # the memory does move the prompt

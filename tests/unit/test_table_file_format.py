@@ -119,3 +119,45 @@ def test_a_written_table_file_has_the_mode_of_any_new_file(tmp_path):
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o640
     assert [p.name for p in tmp_path.iterdir()] == ["mode.safetensors"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_a_memory_saved_at_one_rank_count_loads_at_any_other(dtype, tmp_path):
+    """Tables are padded to a multiple of the rank count, so a memory saved on 3 ranks (or a 4-GPU machine)
+    has more rows than the same memory on 1 or 2 ranks: with the rows the memory addresses given, every
+    store loads it (the padding is never addressed), the addressed rows bit for bit; a file holding fewer
+    rows than those is refused naming the key."""
+    from fp8_engram.engram.group import EngramGroup
+    from fp8_engram.engram.host_tier import HostRowStore
+
+    needed = [88, 61]  # what the hashing addresses, per layer
+
+    def padded(ranks):
+        return [-(-n // ranks) * ranks for n in needed]
+
+    source = EngramGroup(padded(3), 64, dtype, num_ranks=3, device="cpu")
+    try:
+        g = torch.Generator().manual_seed(5)
+        for layer, n in enumerate(needed):
+            source.write_rows(layer, torch.arange(n), torch.randn(n, 64, generator=g))
+        path = str(tmp_path / "three_ranks.safetensors")
+        source.save_table_file(path)
+        want = [source.read_rows(layer, torch.arange(n)) for layer, n in enumerate(needed)]
+    finally:
+        source.close()
+    assert TableFile(path).rows_per_layer == [90, 63]
+
+    stores = [LocalRowStore(padded(1), 64, dtype), EngramGroup(padded(2), 64, dtype, num_ranks=2, device="cpu"),
+              EngramGroup(padded(4), 64, dtype, num_ranks=4, device="cpu"), HostRowStore.new(padded(1), 64, dtype)]
+    try:
+        for store in stores:
+            with pytest.raises(TableFileError, match="layers.0.rows"):
+                store.load_table_file(path)  # without the addressed rows: the geometry must match
+            store.load_table_file(path, rows_needed=needed)
+            for layer, n in enumerate(needed):
+                assert torch.equal(store.read_rows(layer, torch.arange(n)), want[layer]), (type(store).__name__, layer)
+        with pytest.raises(TableFileError, match="layers.1.rows.*addresses 64"):
+            stores[0].load_table_file(path, rows_needed=[88, 64])
+    finally:
+        for store in stores:
+            store.close()
