@@ -281,7 +281,7 @@ class HostTable:
             return
         now = _file_state(self._fd)
         if now != self._file_state:
-            (size, mtime), (new_size, new_mtime) = self._file_state, now
+            size, new_size = self._file_state[0], now[0]
             what = f"its size went from {size} to {new_size} bytes" if new_size != size else "it was rewritten in place (same size, new modification time)"
             raise TableFileError(f"{self.source}: the memory file changed on disk after it was loaded ({what}); its rows can no "
                                  "longer be read safely from this load. Load the memory again (Load Engram Memory reloads a "
