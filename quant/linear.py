@@ -266,6 +266,9 @@ _needs: dict = {}
 # fp8 products that failed for a reason other than memory, per (device key, layout kind,
 # activation scaling, input dtype, weight dtype, output dtype): later calls go weight-only at once
 _fp8_failed: set = set()
+# int8 products that failed likewise, per (device key, int8 layout, input dtype, output dtype): a kernel
+# that cannot compile or launch there would otherwise be retried (and recompiled) on every call
+_int8_failed: set = set()
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -586,12 +589,20 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     w8 = _int8_weight(x, weight, bias, cfg)
     if w8 is not None:
         b = None if bias is None else bias.to(cdt)
+        key = (_device_key(x.device), w8.layout, x.dtype, cdt)
+        if key in _int8_failed:
+            return _weight_only(x, w8, b, cdt)
         try:
             return int8.int8_linear(x, w8, b, cdt)
         except Exception as exc:  # a kernel that cannot run here must not break the model
-            log_once(("int8_failed", x.device.type, type(exc).__name__, _first_line(exc)[:120]), logging.WARNING,
-                     "int8 linear failed on %s (%s: %s); using the weight-only path instead (logged once)",
-                     x.device, type(exc).__name__, _first_line(exc))
+            if _is_oom(exc):  # this call only: the next one may well fit
+                log_once(("int8_oom", key), logging.WARNING, "int8 linear ran out of memory on %s; this call runs "
+                         "weight-only (later calls try int8 again; logged once)", x.device)
+            else:
+                _int8_failed.add(key)
+                log_once(("int8_failed", key), logging.WARNING,
+                         "int8 linear failed on %s for %s weights, %s -> %s (%s: %s); these run weight-only from now on "
+                         "(logged once)", x.device, w8.layout, x.dtype, cdt, type(exc).__name__, _first_line(exc))
             return _weight_only(x, w8, b, cdt)
     if not _wants_fp8(x, weight, cfg) or (
             _fp8_failed and _failure_key(x, weight, cfg, cdt) in _fp8_failed):

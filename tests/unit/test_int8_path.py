@@ -189,15 +189,34 @@ def test_module_state_dict_and_copy_keep_int8():
     assert moved.qdata.dtype == torch.int8
 
 
-def test_a_failing_int8_kernel_falls_back_to_weight_only(monkeypatch):
+def test_a_failing_int8_kernel_falls_back_to_weight_only_and_is_not_retried(monkeypatch):
+    """A kernel that cannot compile or launch fails once per (device, layout, dtypes): later calls go
+    weight-only without trying (a failed Triton compile is not cached, so each call would recompile).
+    Out of memory is this call's only."""
+    import importlib
+
+    lin = importlib.import_module("fp8_engram.quant.linear")
+    monkeypatch.setattr(lin, "_int8_failed", set())
     w8 = qint8.to_int8(weight(16, 128))
     x = torch.randn(4, 128)
+    calls = []
 
     def broken(*args, **kwargs):
-        raise RuntimeError("no int8 kernel here")
+        calls.append(1)
+        raise error
 
     monkeypatch.setattr(qint8, "int8_linear", broken)
-    assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), F.linear(x, w8.dequantize()))
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB")
+    for _ in range(2):
+        assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), F.linear(x, w8.dequantize()))
+    assert len(calls) == 2 and not lin._int8_failed
+    error = RuntimeError("no int8 kernel here")
+    for _ in range(3):
+        assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), F.linear(x, w8.dequantize()))
+    assert len(calls) == 3 and len(lin._int8_failed) == 1
+    # another activation dtype is another kind: tried
+    linear(x.bfloat16(), w8, None, ComputeConfig(path="int8"))
+    assert len(calls) == 4
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 5)),
