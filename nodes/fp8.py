@@ -59,7 +59,7 @@ def _options():
     return [
         io.Combo.Input("compute_path", options=list(COMPUTE_PATHS), default="auto",
                        tooltip="auto: fp8 x fp8 matmul on GPUs with FP8 units (CUDA 8.9+); int8 on GPUs with INT8 but "
-                       "no FP8 units (CUDA 7.5-8.6: RTX 20/30, A100) and CPUs with VNNI/AMX; weight-only elsewhere. "
+                       "no FP8 units (CUDA 8.0-8.6: RTX 30, A100, A10) and CPUs with VNNI/AMX; weight-only elsewhere. "
                        "fp8 matmul: always try it (falls back if it fails). weight-only: dequantize and multiply. "
                        "int8: weights converted to int8 per channel at load (rotated by a 128-wide Hadamard "
                        "transform, which tames activation outliers, unless 'without rotation'), activations per token."),

@@ -1,7 +1,7 @@
 """The INT8 compute path: FP8 (or bf16) weights converted once to int8, activations quantized per token.
 
-Where a device has fast INT8 matrix units but no FP8 ones (CUDA capability 7.5 to 8.8: Turing,
-Ampere; x86 CPUs with VNNI or AMX), an int8 x int8 product with int32 accumulation is the fastest
+Where a device has fast INT8 matrix units but no FP8 ones (CUDA capability 8.0 to 8.8: Ampere;
+x86 CPUs with VNNI or AMX), an int8 x int8 product with int32 accumulation is the fastest
 way to run an FP8 checkpoint:
 
 - at load, each FP8 weight (any layout) or float weight becomes an ``Int8`` QuantizedTensor: one
@@ -46,20 +46,24 @@ def _capability(device: torch.device):
 
 
 def int8_fast(device) -> bool:
-    """Does the device multiply int8 faster than bf16: CUDA capability 7.5+ (int8 tensor cores), or an
-    x86 CPU with int8 dot-product instructions (AVX-512 VNNI / AVX-VNNI) or AMX tiles. Plain AVX2 CPUs
-    have neither: there int8 GEMMs run slower than float ones (bench/quant_linear.py --int8)."""
+    """Does the device multiply int8 faster than bf16 with the pack's kernels: CUDA capability 8.0+
+    (int8 tensor cores), or an x86 CPU with int8 dot-product instructions (AVX-512 VNNI / AVX-VNNI) or
+    AMX tiles. Plain AVX2 CPUs have neither: there int8 GEMMs run slower than float ones
+    (bench/quant_linear.py --int8). Turing (7.5) has int8 tensor cores, but Triton cannot compile an
+    int8 dot for sm_75 (the int8 GEMM fails to compile there) and the activation quantizer needs 72 KiB
+    of shared memory, over Turing's 64 KiB (both compiled for sm_75 by tests/unit/test_sm90_compile.py):
+    Turing runs int8 weights weight-only."""
     device = torch.device(device)
     if device.type == "cpu":
         cpu = getattr(torch, "cpu", None)
         probes = ("_is_vnni_supported", "_is_amx_tile_supported")
         return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
-    return device.type == "cuda" and _capability(device) >= (7, 5)
+    return device.type == "cuda" and _capability(device) >= (8, 0)
 
 
 def int8_supported(device) -> bool:
     """Does ``auto`` convert FP8 weights to int8 on this device: where INT8 is fast and there are no FP8
-    matrix units (CUDA capability 7.5 up to, not including, 8.9, where fp8 x fp8 takes over; CPUs with
+    matrix units (CUDA capability 8.0 up to, not including, 8.9, where fp8 x fp8 takes over; CPUs with
     VNNI/AMX). Weights that are int8 already (ComfyUI's int8 files) run int8 wherever it is fast."""
     device = torch.device(device)
     if device.type == "cuda" and int8_fast(device):

@@ -6,10 +6,17 @@ script in a fresh process without TRITON_INTERPRET, because the sm_90 tool repla
 active driver for the whole process.
 
     python tests/unit/sm90_compile_cases.py TOOL_PATH OUT_JSON
+    python tests/unit/sm90_compile_cases.py TOOL_PATH OUT_JSON ARCH     # 75, 80 or 86: shared memory only
 
 Each row: kernel, config, default (on a default path: must not spill), wgmma_expected (a tile
 that Hopper's wgmma can serve: must not fall back to mma.sync), registers, spills, shared memory
 and the PTX counts of triton_sm90.ptx_stats.
+
+With ARCH, the tool's target is switched to that older GPU (Turing 75, A100 80, RTX 30 / A10 86: the
+GPUs without FP8 units, which take the weight-only, int8 and NVFP4 kernels) and each of those kernels is
+compiled at every table config with the raw-byte FP8 decoding those GPUs use; a row gives the shared
+memory Triton asks for at launch (``compiled: false`` and the error where it does not compile). Registers
+and spills come from ptxas for sm_90 only, so they are not reported there.
 """
 
 from __future__ import annotations
@@ -170,10 +177,81 @@ def _rows(tool):
     return out
 
 
+def _arch_rows(arch: int):
+    import torch
+
+    from fp8_engram.quant.kernels import int8_mm, nvfp4_gemm, weight_only_gemm as wo
+
+    e = torch.empty
+    f16, f32, u8, i8 = torch.float16, torch.float32, torch.uint8, torch.int8
+    n_, k_, m_ = 3072, 3072, 4096
+    qw = e(n_, k_, dtype=u8)  # no FP8 types before capability 8.9: the kernels decode bytes
+    flags = dict(NATIVE=False, E5M2=False, UPCAST=False)
+    out = []
+
+    def add(name, config, kernel_fn):
+        row = {"kernel": name, "config": config, "arch": arch}
+        try:
+            row.update(compiled=True, smem_bytes=kernel_fn().metadata.shared)
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not compile for this GPU is the finding
+            row.update(compiled=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        out.append(row)
+
+    for bm, cfg in wo.SMALL_M_CONFIGS.items():
+        for scales in (1, 2):
+            sc = e(n_, dtype=f32) if scales == 1 else e(n_ // 128, k_ // 128, dtype=f32)
+            ssn, ssc = (1, 0) if scales == 1 else (k_ // 128, 1)
+            add("weight_only_gemm._wo_gemm_small_m_kernel", f"M<={bm} scales={scales}",
+                lambda: wo._wo_gemm_small_m_kernel.warmup(
+                    e(bm, k_, dtype=f16), qw, sc, e(4, bm, n_, dtype=f32), bm, n_, k_, 768, k_, 1, k_, 1, ssn, ssc,
+                    1 if scales == 1 else 128, 1 << 20 if scales == 1 else 128, SCALES=scales, EVEN_K=True, BN=cfg["BN"],
+                    BM=bm, BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], grid=(1,), **flags))
+    for cls, cfg in wo.TILE_CONFIGS.items():
+        scales = 2 if cls == "large_block" else 1
+        sc = e(n_, dtype=f32) if scales == 1 else e(n_ // 128, k_ // 128, dtype=f32)
+        ssn, ssc = (1, 0) if scales == 1 else (k_ // 128, 1)
+        add("weight_only_gemm._wo_gemm_kernel", f"class {cls}",
+            lambda: wo._wo_gemm_kernel.warmup(
+                e(m_, k_, dtype=f16), qw, sc, e(n_, dtype=f16), e(m_, n_, dtype=f16), m_, n_, k_, k_, 1, k_, 1, n_, ssn,
+                ssc, 1 if scales == 1 else 128, 1 << 20 if scales == 1 else 128, HAS_BIAS=True, SCALES=scales,
+                EVEN_K=True, EXACT=False, **flags, **cfg, grid=(1,)))
+    for bm in (128, 64, 16):
+        add("int8_mm._int8_gemm_kernel", f"BM={bm}",
+            lambda: int8_mm._int8_gemm_kernel.warmup(
+                e(m_, k_, dtype=i8), e(n_, k_, dtype=i8), e(m_, dtype=f32), e(n_, dtype=f32), e(n_, dtype=f16),
+                e(m_, n_, dtype=f16), m_, n_, k_, k_, 1, k_, 1, n_, 1, BM=bm, BN=128, BK=128, GROUP_M=8, HAS_BIAS=True,
+                num_warps=8 if bm == 128 else 4, num_stages=3, grid=(1,)))
+    for rb in (128, 64, 16, 0):
+        add("int8_mm._quant_rows_kernel", f"RB={rb}",
+            lambda: int8_mm._quant_rows_kernel.warmup(
+                e(m_, k_, dtype=f16), e(rb or 128, rb or 128, dtype=f16), e(m_, k_, dtype=i8), e(m_, 1, dtype=f32), m_,
+                k_, k_, 1, 0.1, BM=16, RB=rb or 128, ROT=bool(rb), F32_DOT=False, num_warps=8, num_stages=1,
+                grid=(1,)))
+    for m_tokens in (16, 128, 4096):
+        cfg = nvfp4_gemm.table_config(m_tokens)
+        add("nvfp4_gemm._nvfp4_gemm_kernel", f"M<={m_tokens}",
+            lambda: nvfp4_gemm._nvfp4_gemm_kernel.warmup(
+                e(m_, k_, dtype=f16), e(n_, k_ // 2, dtype=u8), e(n_, k_ // 16, dtype=u8), e(n_, dtype=f16),
+                e(m_, n_, dtype=f16), 1.0, m_, n_, k_, k_, k_, 1, k_ // 2, k_ // 16, n_, HAS_BIAS=True, OUT_BF16=False,
+                UPCAST=False, EXACT=False, **cfg, grid=(1,)))
+    return out
+
+
 def main(argv):
-    tool_path, out_path = argv
+    tool_path, out_path = argv[:2]
     tool = _load_tool(tool_path)
     t0 = time.perf_counter()
+    if len(argv) > 2:
+        from triton.backends.compiler import GPUTarget
+
+        arch = int(argv[2])
+        tool.TARGET = GPUTarget("cuda", arch, 32)  # what the tool's driver reports from now on
+        rows = _arch_rows(arch)
+        with open(out_path + ".tmp", "w") as f:
+            json.dump({"target": f"sm_{arch}", "seconds": round(time.perf_counter() - t0, 1), "kernels": rows}, f, indent=1)
+        os.replace(out_path + ".tmp", out_path)
+        print(f"compiled {len(rows)} kernels for sm_{arch} in {time.perf_counter() - t0:.1f} s -> {out_path}")
+        return
     rows = _rows(tool)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = out_path + ".tmp"
