@@ -16,7 +16,7 @@
    is ``torch._int_mm`` (oneDNN's int8 GEMM; the weight's ``[N, K]`` row-major bytes passed as the
    transposed view, the layout it is fast on) and one float32 epilogue.
 
-The Triton kernels run on CUDA (Turing and newer have int8 MMA); the tests run them through
+The Triton kernels run on CUDA from capability 8.0 (Triton has no int8 dot for Turing); the tests run them through
 ``TRITON_INTERPRET=1`` with float32 rotation operands, which the interpreter computes right.
 """
 
