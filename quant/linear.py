@@ -269,6 +269,8 @@ _fp8_failed: set = set()
 # int8 products that failed likewise, per (device key, int8 layout, input dtype, output dtype): a kernel
 # that cannot compile or launch there would otherwise be retried (and recompiled) on every call
 _int8_failed: set = set()
+# fused weight-only GEMMs that failed likewise, per (device key, scale blocks, weight dtype, compute dtype)
+_wo_failed: set = set()
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -517,13 +519,22 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or (bias is not None and bias.requires_grad))
         block = _kernel_block(w)
-        if block is not None and not needs_grad and cdt in (torch.bfloat16, torch.float16):
+        key = (_device_key(x.device), repr(block), w.qdata.dtype, cdt)
+        if block is not None and not needs_grad and cdt in (torch.bfloat16, torch.float16) and key not in _wo_failed:
             out_f, in_f = w.qdata.shape
             # custom ops while torch.compile traces
             k = custom_ops if _traced("weight-only", x.device) else kernels
-            y = k.weight_only_linear(
-                x.reshape(-1, in_f), w.qdata, w.scale, block[0], block[1], bias)
-            return y.reshape(*x.shape[:-1], out_f)
+            try:
+                y = k.weight_only_linear(
+                    x.reshape(-1, in_f), w.qdata, w.scale, block[0], block[1], bias)
+                return y.reshape(*x.shape[:-1], out_f)
+            except Exception as exc:  # a GEMM kernel that cannot run on this GPU: dequantize + cuBLAS
+                if k is custom_ops or _is_oom(exc):
+                    raise
+                _wo_failed.add(key)
+                log_once(("wo_failed", key), logging.WARNING,
+                         "weight-only FP8 GEMM failed on %s (%s: %s); these layers dequantize and use cuBLAS from now "
+                         "on (logged once)", x.device, type(exc).__name__, _first_line(exc))
     return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
 
 

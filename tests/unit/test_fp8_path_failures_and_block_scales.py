@@ -215,3 +215,25 @@ def test_block_weights_at_a_real_layer_shape_are_right_or_weight_only(api, monke
             assert cached.stride() == (1, 32)
             F.linear(x, qt)
             assert qt.__dict__["_derived"]["block_scale_k_padded"][1] is cached, "re-padded per call"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fused weight-only GEMM runs on CUDA only)")
+def test_a_failing_weight_only_gemm_falls_back_to_dequantize_once(monkeypatch):
+    """A fused weight-only GEMM that cannot run on a GPU (no config of its table fits) fails once per
+    kind: that call and later ones dequantize and use cuBLAS, nothing raises, nothing is retried."""
+    kernels = importlib.import_module("fp8_engram.quant.kernels")
+    monkeypatch.setattr(lin, "_wo_failed", set())
+    w, x = _data()
+    q = QuantizedTensor.from_float(w.cuda(), PerRow())
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("out of resources: shared memory, Required: 147456, Hardware limit: 101376")
+
+    monkeypatch.setattr(kernels, "weight_only_linear", broken)
+    want = F.linear(x.cuda(), q.dequantize(torch.bfloat16))
+    for _ in range(3):
+        got = lin.linear(x.cuda(), q, None, ComputeConfig(path="weight_only"))
+        assert torch.equal(got, want)
+    assert len(calls) == 1 and len(lin._wo_failed) == 1
