@@ -689,7 +689,8 @@ class LoadEngramMemory(io.ComfyNode):
         path = folder_paths.get_full_path_or_raise(FOLDER, memory_name)
         config, geometry = config_from_table_file(path)
         dtype = torch.float8_e4m3fn if geometry.get("dtype") == "float8_e4m3fn" else torch.bfloat16
-        rows = [int(n) for n in geometry.get("rows_per_layer") or config.rows_per_layer(1)]
+        needed = config.rows_per_layer(1)  # the rows the hashing addresses (a file may be padded past them)
+        rows = [int(n) for n in geometry.get("rows_per_layer") or needed]
         placement = _resolve_placement(requested, rows, config.hidden, dtype, devices)
         mtime = os.path.getmtime(path)
         key = ("load", path, mtime, devices, cpu_ranks, gpu_ranks, placement)
@@ -713,7 +714,7 @@ class LoadEngramMemory(io.ComfyNode):
                 # A cancel before or during the load: drop the tables (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
                 if placement != "host":  # a file saved at another rank count loads too (its padding rows differ)
-                    store.load_table_file(path, rows_needed=config.rows_per_layer(1))
+                    store.load_table_file(path, rows_needed=needed)
                 comfy.model_management.throw_exception_if_processing_interrupted()
                 return wrap(store)
             except BaseException:
@@ -722,7 +723,7 @@ class LoadEngramMemory(io.ComfyNode):
 
         def reload(memory):
             comfy.model_management.throw_exception_if_processing_interrupted()
-            memory.store.load_table_file(path, rows_needed=config.rows_per_layer(1))
+            memory.store.load_table_file(path, rows_needed=needed)
             memory.mark_untracked()
             memory.version += 1
             comfy.model_management.throw_exception_if_processing_interrupted()

@@ -278,6 +278,18 @@ def _is_oom(exc: BaseException) -> bool:
     return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
 
 
+def _remember_failure(failed: set, key, exc: BaseException, what: str, device, kind: str) -> None:
+    """A product of `key`'s kind failed: remember it in `failed` (later calls take the fallback without
+    trying), logged once. Out of memory is never remembered: that call alone falls back."""
+    if _is_oom(exc):
+        log_once((what, "oom", key), logging.WARNING, "%s ran out of memory on %s; this call runs weight-only "
+                 "(later calls try it again; logged once)", what, device)
+        return
+    failed.add(key)
+    log_once((what, "failed", key), logging.WARNING, "%s failed on %s for %s (%s: %s); these run weight-only "
+             "from now on (logged once)", what, device, kind, type(exc).__name__, _first_line(exc))
+
+
 def _scaling_kind(scale_a: torch.Tensor, scale_b: torch.Tensor) -> str:
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         return "tensor"
@@ -449,16 +461,8 @@ def _fp8_mm(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype
         return mm(xq, w.qdata.t(), sa, sb, bias, out_dtype)
     except Exception as exc:  # a kernel that cannot run here must not break the model
         key = _failure_key(x2d, w, cfg, out_dtype)
-        if _is_oom(exc):  # this call only: the next one may well fit
-            log_once(("fp8_oom", key), logging.WARNING,
-                     "fp8 x fp8 linear ran out of memory on %s; this call runs weight-only "
-                     "(later calls try fp8 again; logged once)", x2d.device)
-            return None
-        _fp8_failed.add(key)
-        log_once(("fp8_failed", key), logging.WARNING,
-                 "fp8 x fp8 linear failed on %s for %s weights, %s scaling, %s x %s -> %s "
-                 "(%s: %s); these run weight-only from now on (logged once)", x2d.device, key[1],
-                 key[2], key[3], key[4], key[5], type(exc).__name__, _first_line(exc))
+        _remember_failure(_fp8_failed, key, exc, "fp8 x fp8 linear", x2d.device,
+                          f"{key[1]} weights, {key[2]} scaling, {key[3]} x {key[4]} -> {key[5]}")
         return None
 
 
@@ -519,8 +523,8 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or (bias is not None and bias.requires_grad))
         block = _kernel_block(w)
-        key = (_device_key(x.device), repr(block), w.qdata.dtype, cdt)
-        if block is not None and not needs_grad and cdt in (torch.bfloat16, torch.float16) and key not in _wo_failed:
+        if block is not None and not needs_grad and cdt in (torch.bfloat16, torch.float16) and not (
+                _wo_failed and _wo_key(x, w, block, cdt) in _wo_failed):
             out_f, in_f = w.qdata.shape
             # custom ops while torch.compile traces
             k = custom_ops if _traced("weight-only", x.device) else kernels
@@ -531,11 +535,16 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
             except Exception as exc:  # a GEMM kernel that cannot run on this GPU: dequantize + cuBLAS
                 if k is custom_ops or _is_oom(exc):
                     raise
+                key = _wo_key(x, w, block, cdt)
                 _wo_failed.add(key)
                 log_once(("wo_failed", key), logging.WARNING,
                          "weight-only FP8 GEMM failed on %s (%s: %s); these layers dequantize and use cuBLAS from now "
                          "on (logged once)", x.device, type(exc).__name__, _first_line(exc))
     return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
+
+
+def _wo_key(x: torch.Tensor, w: QuantizedTensor, block, cdt):
+    return _device_key(x.device), block, w.qdata.dtype, cdt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,20 +609,13 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     w8 = _int8_weight(x, weight, bias, cfg)
     if w8 is not None:
         b = None if bias is None else bias.to(cdt)
-        key = (_device_key(x.device), w8.layout, x.dtype, cdt)
-        if key in _int8_failed:
+        if _int8_failed and (_device_key(x.device), w8.layout, x.dtype, cdt) in _int8_failed:
             return _weight_only(x, w8, b, cdt)
         try:
             return int8.int8_linear(x, w8, b, cdt)
         except Exception as exc:  # a kernel that cannot run here must not break the model
-            if _is_oom(exc):  # this call only: the next one may well fit
-                log_once(("int8_oom", key), logging.WARNING, "int8 linear ran out of memory on %s; this call runs "
-                         "weight-only (later calls try int8 again; logged once)", x.device)
-            else:
-                _int8_failed.add(key)
-                log_once(("int8_failed", key), logging.WARNING,
-                         "int8 linear failed on %s for %s weights, %s -> %s (%s: %s); these run weight-only from now on "
-                         "(logged once)", x.device, w8.layout, x.dtype, cdt, type(exc).__name__, _first_line(exc))
+            _remember_failure(_int8_failed, (_device_key(x.device), w8.layout, x.dtype, cdt), exc, "int8 linear",
+                              x.device, f"{w8.layout} weights, {x.dtype} -> {cdt}")
             return _weight_only(x, w8, b, cdt)
     if not _wants_fp8(x, weight, cfg) or (
             _fp8_failed and _failure_key(x, weight, cfg, cdt) in _fp8_failed):
