@@ -156,7 +156,7 @@ def fit(
     step: True stops early and writes what was learned so far. `cancel()` is called along the preparation
     of the examples (which takes a while for many examples) and raises to stop. An exception raised by any
     callback propagates and leaves the store untouched."""
-    if steps < 0 or batch_size < 1 or lr <= 0:
+    if steps < 0 or batch_size < 1 or not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"need steps >= 0, batch_size >= 1, lr > 0; got {steps}, {batch_size}, {lr}")
     result = FitResult()
     cancel = cancel or (lambda: None)

@@ -77,6 +77,8 @@ def inject(cond: torch.Tensor, placed: Sequence[StreamTokens], values: Sequence[
         raise ValueError(f"CONDITIONING must be [batch, rows, columns], got shape {tuple(cond.shape)}")
     if len(placed) != len(values):
         raise ValueError(f"{len(placed)} streams but {len(values)} value blocks")
+    if not math.isfinite(float(strength)):
+        raise ValueError(f"strength must be a finite number, got {float(strength)!r}")
     out = cond.clone()
     if float(strength) == 0.0:
         return out

@@ -29,7 +29,7 @@ from ..engram.host_tier import PLACEMENTS, HostRowStore, choose_placement, table
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
 from ..engram.store import LocalRowStore
 from ..engram.streams import family_layout
-from ..engram.table_file import TableFileError  # noqa: F401 - loaded here so that plain_error_names() renames its errors
+from ..engram.table_file import TableFileError, TableFileWriteError  # noqa: F401 - loaded here so that plain_error_names() renames its errors
 from . import CATEGORY, NODE_ID_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ _paths, _exts = folder_paths.folder_names_and_paths[FOLDER]
 folder_paths.folder_names_and_paths[FOLDER] = (_paths, set(_exts) | {".safetensors"})
 
 MEMORY_TOOLTIP = "An engram memory (from New Engram Memory or Load Engram Memory)."
+# The widget ranges of the float inputs, which the nodes also enforce (see _finite_input).
+STRENGTH_RANGE = (-10.0, 10.0)
+LEARNING_RATE_RANGE = (1e-5, 10.0)
 
 # ----- CLIP adaptation (the only place that knows ComfyUI's tokenizer objects) -----
 
@@ -775,8 +778,11 @@ class SaveEngramMemory(io.ComfyNode):
         folder = folder_paths.get_folder_paths(FOLDER)[0]
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, name)
-        with _serving("Save Engram Memory", memory):
-            memory.save(path)
+        try:
+            with _serving("Save Engram Memory", memory):
+                memory.save(path)
+        except TableFileWriteError as exc:  # a read-only folder, a full disk: the input and the file named
+            raise TableFileWriteError(exc.errno, f"Save Engram Memory: name {name!r} could not be saved: {exc.strerror}") from exc
         memory.saved_to = path
         return io.NodeOutput(memory, ui={"text": [f"saved {path} (version {memory.version})"]})
 
@@ -803,6 +809,21 @@ def _hit_report(memory: EngramMemory, tokens: dict, clip=None, looked_up: tuple 
     }
 
 
+def _finite_input(node: str, name: str, value, low: float, high: float) -> float:
+    """A float input as a float, refused by name when it is not a finite number in [low, high].
+
+    ComfyUI's validation compares a FLOAT input with the widget's min and max, and every comparison
+    with NaN is false, so a raw JSON `NaN` in an API prompt reaches the node; it would turn every
+    conditioning value it touches into NaN without an error."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{node}: input '{name}' must be a number, got {value!r}") from None
+    if not math.isfinite(number) or not low <= number <= high:
+        raise ValueError(f"{node}: input '{name}' is {number!r}; give a finite number from {low:g} to {high:g}")
+    return number
+
+
 def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dict, strength: float, looked_up: tuple | None = None) -> list:
     out = []
     for cond, extra in conditioning:
@@ -823,13 +844,14 @@ class EngramTextEncode(io.ComfyNode):
                 io.Clip.Input("clip", tooltip="The text encoder (the one the memory was made with)."),
                 io.String.Input("text", multiline=True, dynamic_prompts=True, tooltip="The prompt."),
                 EngramMemoryType.Input("memory", tooltip=MEMORY_TOOLTIP),
-                io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.05, tooltip="How much of the memory to add (1 = exactly what was memorized)."),
+                io.Float.Input("strength", default=1.0, min=STRENGTH_RANGE[0], max=STRENGTH_RANGE[1], step=0.05, tooltip="How much of the memory to add (1 = exactly what was memorized)."),
             ],
             outputs=[io.Conditioning.Output(display_name="CONDITIONING", tooltip="The prompt's conditioning with the memory added.")],
         )
 
     @classmethod
     def execute(cls, clip, text, memory, strength) -> io.NodeOutput:
+        strength = _finite_input("Engram Text Encode", "strength", strength, *STRENGTH_RANGE)
         with _serving("Engram Text Encode", memory):
             _bind(memory, clip)
             tokens = _tokenize(clip, text)
@@ -852,7 +874,7 @@ class EngramApply(io.ComfyNode):
                 io.Conditioning.Input("conditioning", tooltip="Conditioning made from `text` by the memory's text encoder."),
                 io.String.Input("text", multiline=True, tooltip="The prompt the conditioning was made from."),
                 EngramMemoryType.Input("memory", tooltip=MEMORY_TOOLTIP),
-                io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.05, tooltip="How much of the memory to add."),
+                io.Float.Input("strength", default=1.0, min=STRENGTH_RANGE[0], max=STRENGTH_RANGE[1], step=0.05, tooltip="How much of the memory to add."),
                 io.Clip.Input("clip", optional=True, tooltip="The text encoder, for its tokenizer (optional when the memory was made or used with it in this session)."),
             ],
             outputs=[io.Conditioning.Output(display_name="CONDITIONING", tooltip="The conditioning with the memory added.")],
@@ -860,6 +882,7 @@ class EngramApply(io.ComfyNode):
 
     @classmethod
     def execute(cls, conditioning, text, memory, strength, clip=None) -> io.NodeOutput:
+        strength = _finite_input("Engram Apply", "strength", strength, *STRENGTH_RANGE)
         with _serving("Engram Apply", memory):
             if clip is not None:
                 _bind(memory, clip)
@@ -1053,7 +1076,7 @@ class EngramTrain(io.ComfyNode):
                 io.Clip.Input("clip", tooltip="The text encoder the memory was made with."),
                 io.String.Input("pairs_file", default="engram_pairs.jsonl", tooltip="JSONL file in ComfyUI's input folder (its name there; files elsewhere are refused). One pair per line, each text at most 4096 characters."),
                 io.Int.Input("steps", default=200, min=1, max=100000, tooltip="Optimizer steps."),
-                io.Float.Input("learning_rate", default=0.05, min=1e-5, max=10.0, step=0.001, tooltip="Adam learning rate."),
+                io.Float.Input("learning_rate", default=0.05, min=LEARNING_RATE_RANGE[0], max=LEARNING_RATE_RANGE[1], step=0.001, tooltip="Adam learning rate."),
                 io.Int.Input("batch_size", default=16, min=1, max=4096, tooltip="Pairs per step."),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False, tooltip="Seed of the pair order."),
             ],
@@ -1065,6 +1088,7 @@ class EngramTrain(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, pairs_file, steps, learning_rate, batch_size, seed) -> io.NodeOutput:
+        learning_rate = _finite_input("Engram Train", "learning_rate", learning_rate, *LEARNING_RATE_RANGE)
         path = _inside_input(pairs_file, "Engram Train: pairs_file")
         cancel = comfy.model_management.throw_exception_if_processing_interrupted
         try:
