@@ -84,7 +84,11 @@ def test_a_comfyui_int8_tensorwise_file_loads_and_samples(comfy, output_dir, fil
     assert q > 20.0
 
 
-def test_quantize_to_int8_then_save_writes_comfyuis_form_that_loads_back(comfy, output_dir, models_dir, reference, comfyui_tree):
+@pytest.fixture(scope="module")
+def saved_int8(comfy, output_dir, models_dir, reference):
+    """Quantize Model (int8 row convrot) -> Save FP8 Model on the server; checks the file's form and that
+    the pack loads it back; returns (the file's name in diffusion_models, the pack's latent from it).
+    Both tests below take it, in any order or alone."""
     import json
 
     prefix = f"int8save/m{next(_counter)}"
@@ -105,13 +109,21 @@ def test_quantize_to_int8_then_save_writes_comfyuis_form_that_loads_back(comfy, 
     target = models_dir / "diffusion_models" / f"int8t_saved_{files[0].name}"
     target.write_bytes(files[0].read_bytes())
     lat, _ = sample(comfy, output_dir, loader(target.name, "int8"))
+    return target.name, lat
+
+
+def test_quantize_to_int8_then_save_writes_comfyuis_form_that_loads_back(saved_int8, reference):
+    _, lat = saved_int8
     assert sqnr(reference, lat) > 20.0
+
+
+def test_stock_unetloader_loads_the_saved_int8_file(comfy, output_dir, comfyui_tree, reference, request):
     # The Save node says ComfyUI 0.33 and newer load this file: stock UNETLoader, where the tree has the format.
     quant_ops = comfyui_tree / "comfy" / "quant_ops.py"
     if not (quant_ops.is_file() and "int8_tensorwise" in quant_ops.read_text(errors="replace")):
-        pytest.skip("stock ComfyUI reads int8_tensorwise from 0.33 on; the tree in use is older (the pack's own "
-                    "round trip above passed)")
-    stock, _ = sample(comfy, output_dir, {"class_type": "UNETLoader", "inputs": {"unet_name": target.name, "weight_dtype": "default"}})
+        pytest.skip("stock ComfyUI reads int8_tensorwise from 0.33 on; the tree in use is older")
+    name, lat = request.getfixturevalue("saved_int8")
+    stock, _ = sample(comfy, output_dir, {"class_type": "UNETLoader", "inputs": {"unet_name": name, "weight_dtype": "default"}})
     print(f"int8 file saved by the pack: stock UNETLoader {sqnr(reference, stock):.2f} dB, pack {sqnr(reference, lat):.2f} dB "
           f"vs full precision; stock vs pack {sqnr(lat, stock):.2f} dB")
     assert sqnr(reference, stock) > 20.0
