@@ -564,8 +564,10 @@ def _int8_weight(x, w: QuantizedTensor, bias, cfg: ComputeConfig):
     if int8.is_int8(w):
         return w if cfg.path != "auto" or int8.int8_fast(x.device) else None
     if cfg.path == "int8":
-        rotation = None if cfg.int8_rotation else 0
-        return _cached_on_weight(w, "int8", lambda: int8.to_int8(w, rotation))
+        # one conversion kept per rotation choice: a call that overrides int8_rotation must not get the other's
+        if cfg.int8_rotation:
+            return _cached_on_weight(w, "int8", lambda: int8.to_int8(w, None))
+        return _cached_on_weight(w, "int8_unrotated", lambda: int8.to_int8(w, 0))
     return None
 
 

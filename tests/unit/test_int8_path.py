@@ -120,7 +120,13 @@ def test_forced_int8_converts_an_fp8_weight_once_and_keeps_it():
     assert qint8.is_int8(cached)
     y2 = linear(x, w, None, cfg)
     assert w.__dict__["_derived"]["int8"][1] is cached and torch.equal(y1, y2)
-    assert linear(x, w, None, ComputeConfig(path="int8", int8_rotation=False)) is not None
+    # Asking for no rotation converts again, without the rotation, and multiplies with that weight.
+    y0 = linear(x, w, None, ComputeConfig(path="int8", int8_rotation=False))
+    plain = w.__dict__["_derived"]["int8_unrotated"][1]
+    assert w.__dict__["_derived"]["int8"][1] is cached and plain is not cached and plain.layout.rotation == 0 and cached.layout.rotation == 128
+    assert torch.equal(y0, linear(x, plain, None, ComputeConfig(path="int8")))
+    ref = x.double() @ w.dequantize(torch.float64).t()
+    assert sqnr(ref, y0) > 30 and sqnr(ref, y1) > 30
 
 
 def test_the_path_choice(monkeypatch):
@@ -181,13 +187,26 @@ def test_the_torch_twin_quantizes_per_row_with_ties_to_even():
 
 
 def test_module_state_dict_and_copy_keep_int8():
+    import copy
+
     w8 = qint8.to_int8(weight(16, 128))
     lin = torch.nn.Linear(128, 16, bias=False)
     lin.weight = torch.nn.Parameter(w8, requires_grad=False)
+    x = torch.randn(3, 128)
+    want = lin(x)
+    saved = lin.state_dict()["weight"]
+    assert qint8.is_int8(saved) and torch.equal(saved.qdata, w8.qdata) and saved.layout == w8.layout
+    twin = copy.deepcopy(lin)
+    assert qint8.is_int8(twin.weight) and twin.weight.qdata.data_ptr() != w8.qdata.data_ptr()
+    assert torch.equal(twin(x), want)
+    fresh = torch.nn.Linear(128, 16, bias=False)
+    fresh.weight = torch.nn.Parameter(qint8.to_int8(weight(16, 128, seed=2)), requires_grad=False)
+    fresh.load_state_dict(lin.state_dict())
+    assert torch.equal(fresh.weight.qdata, w8.qdata) and torch.equal(fresh(x), want)
     clone = w8.clone()
     assert torch.equal(clone.qdata, w8.qdata) and clone.layout == w8.layout
     moved = w8.to("cpu", copy=True)
-    assert moved.qdata.dtype == torch.int8
+    assert moved.qdata.dtype == torch.int8 and torch.equal(moved.qdata, w8.qdata)
 
 
 def test_a_failing_int8_kernel_falls_back_to_weight_only_and_is_not_retried(monkeypatch):
