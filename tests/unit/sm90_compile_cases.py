@@ -241,6 +241,8 @@ def main(argv):
     tool_path, out_path = argv[:2]
     tool = _load_tool(tool_path)
     t0 = time.perf_counter()
+    # the output folder may not exist yet: a test run alone in a fresh clone is the first to write there
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     if len(argv) > 2:
         from triton.backends.compiler import GPUTarget
 
@@ -253,7 +255,6 @@ def main(argv):
         print(f"compiled {len(rows)} kernels for sm_{arch} in {time.perf_counter() - t0:.1f} s -> {out_path}")
         return
     rows = _rows(tool)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"target": "sm_90", "seconds": round(time.perf_counter() - t0, 1), "kernels": rows},
