@@ -287,7 +287,7 @@ def test_gpu_ranks_leave_cpu_memories_alone_and_a_change_rebuilds(comfy):
     assert shared["worker_pids"] != plain["worker_pids"]  # a changed setting made a new memory
     assert shared["text"][0].split("version=")[0] == plain["text"][0].split("version=")[0]
     again = run(gpu_ranks=4)
-    assert again.get("worker_pids", shared["worker_pids"]) == shared["worker_pids"]  # unchanged: the same memory
+    assert again["worker_pids"] == shared["worker_pids"]  # unchanged: the same memory
 
 
 def test_host_placed_memory_file_changed_in_place_is_reloaded_or_refused(comfy, models_dir):
