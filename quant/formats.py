@@ -97,9 +97,12 @@ MAX_DIM = 1 << 40
 
 _SCALE_SUFFIXES = (".scale_weight", ".weight_scale_inv", ".weight_scale")
 _INPUT_SCALE_SUFFIXES = (".input_scale", ".scale_input")
-# Keys of quantization schemes this pack does not read (int4/nvfp4/zero points): refuse clearly.
+# Keys of quantization schemes this pack does not read (int4, zero points, NVFP4 outside ComfyUI's form):
+# refused clearly, each with what the pack reads instead. NVFP4 tensor scales are read on layers marked
+# as ComfyUI's NVFP4 form (`_detect_nvfp4`), nowhere else.
 _UNSUPPORTED_SUFFIXES = (".weight_scale_2", ".weight_zero_point", ".weight_global_scale", ".weight_packed",
                          ".weight_shape", ".qweight", ".qzeros", ".scales", ".absmax", ".quant_map")
+_NVFP4_LIKE_SUFFIXES = (".weight_scale_2", ".weight_global_scale")
 
 
 class FormatError(ValueError):
@@ -581,12 +584,11 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     T = hdr.tensors
     consumed: set[str] = set()
 
-    nv_layers = _detect_nvfp4(path, hdr, rd)  # ComfyUI's NVFP4 layers (their own keys and checks)
+    nv_layers = _detect_nvfp4(path, hdr, rd, compute_dtype)  # ComfyUI's NVFP4 layers (their own keys and checks)
     for key in T:
         for suf in _UNSUPPORTED_SUFFIXES:
             if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
-                raise _err(path, key, f"this file uses a quantization scheme this pack does not read ('{suf}' keys, "
-                           "e.g. int4/nvfp4/zero points)", "an FP8 checkpoint (float8 weights with float scales)")
+                raise _unsupported_key(path, key, suf)
 
     # ---- markers of ComfyUI's legacy scaled fp8 format: "<prefix>scaled_fp8"
     markers: dict[str, bool] = {}  # prefix -> fp8 matmul allowed
@@ -738,7 +740,13 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         se = T[scale_key]
         if comfy_format == MXFP8_FORMAT:
             from .layouts import QuantizationError
-            from .mxfp8 import scales_from_file
+            from .mxfp8 import BLOCK, scales_from_file
+
+            if has_cq:
+                _check_declared_group(path, cq_key, cq, MXFP8_FORMAT, BLOCK)
+            if in_meta:
+                _check_declared_group(path, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}", meta_layers[name],
+                                      MXFP8_FORMAT, BLOCK)
 
             gran, block = "mxfp8", None
             try:
@@ -854,22 +862,79 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     )
 
 
-def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader) -> dict:
+def _unsupported_key(path, key: str, suf: str) -> FormatError:
+    """Why a key of a quantization scheme outside the ones this pack reads is refused, and what to do."""
+    if suf in _NVFP4_LIKE_SUFFIXES:
+        layer = key[: -len(suf)]
+        return _err(path, key, f"'{suf}' is an NVFP4 tensor scale, but the layer '{layer}' is not marked as "
+                    "NVFP4: this pack reads NVFP4 in ComfyUI's form only and does not read other NVFP4 layouts "
+                    "(modelopt's, compressed-tensors')",
+                    f"a '{layer}.comfy_quant' JSON (or a _quantization_metadata entry) saying "
+                    '{"format": "nvfp4"}, with a uint8 packed \'.weight\', e4m3 \'.weight_scale\' and float32 '
+                    "'.weight_scale_2' (the form ComfyUI 0.33 writes; this pack's Quantize Model to FP8 node "
+                    "with granularity nvfp4 and Save FP8 Model write it too from the bf16 model), or an FP8 "
+                    "checkpoint")
+    return _err(path, key, f"'{suf}' keys belong to an int4 / GPTQ / AWQ / bitsandbytes style quantization "
+                "(packed integers with zero points or lookup tables), which this pack does not read",
+                "an FP8 checkpoint (float8 weights with float scales), ComfyUI's int8 / mxfp8 / nvfp4 "
+                "per-layer forms, or the model in bf16/fp16 to convert with this pack")
+
+
+def _check_declared_group(path, key: str, conf: dict, fmt: str, group: int) -> None:
+    """A layer's JSON may repeat the group size of its format (`group_size`, or a `block_size` of
+    [1, group]); any other value describes data this reader would misread, so it is refused."""
+    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    for name in ("group_size", "block_size"):
+        value = conf.get(name, params.get(name))
+        if value is None:
+            continue
+        if name == "group_size":
+            ok = _is_int(value) and value == group
+        else:
+            ok = (_is_int(value) and value == group) or (isinstance(value, list) and len(value) == 2
+                                                         and all(_is_int(v) for v in value) and value == [1, group])
+        if not ok:
+            raise _err(path, key, f"the layer's {fmt} JSON says {name} {_short(value)}, but {fmt} has one scale "
+                       f"per {group} inputs and no other group size",
+                       f"{name} {group if name == 'group_size' else [1, group]}, or no {name}")
+
+
+def check_nvfp4_range(path, key: str, block: torch.Tensor, tensor_scale: float,
+                      compute_dtype: torch.dtype | None = None) -> None:
+    """Refuse an NVFP4 tensor scale whose product with the largest block scale and e2m1's largest value
+    (6) overflows `compute_dtype` (None: float32; bfloat16 has its range): the weight would dequantize
+    to inf and every output to NaN. comfy-kitchen converts the tensor scale itself to that dtype first,
+    so it must fit too. Real tensor scales are a weight's absolute maximum / (448 * 6)."""
+    from .nvfp4 import E2M1_MAX
+
+    dtype = compute_dtype or torch.float32
+    limit = float(torch.finfo(dtype).max)
+    bmax = float(block.detach().to(torch.float32).abs().max()) if block.numel() else 0.0
+    top = tensor_scale * bmax * E2M1_MAX  # Python floats: no overflow here
+    if tensor_scale > limit or top > limit:
+        raise _err(path, key, f"NVFP4 tensor scale {tensor_scale:.4g} times the largest block scale {bmax:g} times "
+                   f"e2m1's largest value {E2M1_MAX:g} is {top:.4g}, beyond {_fp8_name(dtype)}'s range "
+                   f"({limit:.4g}): the weights would dequantize to inf and every output to NaN",
+                   f"a tensor scale of at most {limit / (max(bmax, 1.0) * E2M1_MAX):.4g} with these block scales "
+                   "(a weight's absolute maximum divided by 448 * 6)")
+
+
+def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=None) -> dict:
     """The layers of a file in ComfyUI's NVFP4 form (see quant/nvfp4.py): a `.comfy_quant` or an entry of
     `_quantization_metadata` (which ComfyUI turns into `.comfy_quant`) says "nvfp4". Returns
     {weight key: (LayerInfo, the QuantizedTensor's scale bytes)}; reads only scales and JSON."""
     from .layouts import QuantizationError
-    from .nvfp4 import GROUP, scales_from_file
+    from .nvfp4 import GROUP, scales_from_file, split_scales
 
     T = hdr.tensors
-    confs: dict[str, tuple[dict, str]] = {}  # layer -> (its JSON, format name)
+    confs: dict[str, tuple[dict, str, str]] = {}  # layer -> (its JSON, format name, the JSON's key)
     qm_text = hdr.metadata.get(QUANT_METADATA_KEY, "")
     if "nvfp4" in qm_text:
         qm = _parse_json_metadata(path, f"__metadata__.{QUANT_METADATA_KEY}", qm_text, "quantization metadata JSON")
         layers = qm.get("layers") if isinstance(qm, dict) else None
         for name, entry in (layers.items() if isinstance(layers, dict) else ()):
             if isinstance(entry, dict) and entry.get("format") == "nvfp4":
-                confs[name] = (entry, COMFY_METADATA)
+                confs[name] = (entry, COMFY_METADATA, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}")
     for cq_key, ce in T.items():
         if not cq_key.endswith(".comfy_quant") or ce.dtype != torch.uint8 or len(ce.shape) != 1 \
                 or ce.nbytes > MAX_COMFY_QUANT_BYTES:
@@ -880,11 +945,12 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader) -> dict:
         cq = _loads(path, cq_key, raw, 'uint8 bytes of a JSON object like {"format": "nvfp4"}')
         if isinstance(cq, dict) and cq.get("format") == "nvfp4":
             name = cq_key[: -len(".comfy_quant")]
-            confs[name] = (cq, COMFY_METADATA if name in confs else COMFY_PER_LAYER)
+            confs[name] = (cq, COMFY_METADATA if name in confs else COMFY_PER_LAYER, cq_key)
 
     found = {}
-    for name, (cq, source) in sorted(confs.items()):
+    for name, (cq, source, conf_key) in sorted(confs.items()):
         cq_key = name + ".comfy_quant"
+        _check_declared_group(path, conf_key, cq, "nvfp4", GROUP)
         wk, sk, s2k = name + ".weight", name + ".weight_scale", name + ".weight_scale_2"
         for key in (wk, sk, s2k):
             if key not in T:
@@ -898,10 +964,12 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader) -> dict:
             raise _err(path, wk, f"NVFP4 weight has dtype {_fp8_name(e.dtype)} and shape {list(e.shape)}",
                        f"uint8 [R, C / 2] with R and C multiples of {GROUP}")
         try:
-            _, scale = scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
+            layout, scale = scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
         except QuantizationError as exc:
             raise _err(path, sk, f"bad NVFP4 scales ({exc})",
                        "e4m3 block scales in cuBLAS's 128x4 tiled order and one finite float32 scale > 0") from exc
+        block, ts = split_scales(scale, layout)
+        check_nvfp4_range(path, s2k, block, float(ts), compute_dtype)
         extra = [s2k] + [k for k in [cq_key] + [name + s for s in _INPUT_SCALE_SUFFIXES] if k in T]
         shape = (int(e.shape[0]), int(e.shape[1]) * 2)
         info = LayerInfo(name, source, "nvfp4", None, torch.uint8, shape, wk, sk, None,
@@ -1019,7 +1087,7 @@ def make_layout(info: LayerInfo):
 __all__ = [
     "FormatError", "FormatReport", "LayerInfo", "DetectedFormat", "SafetensorsHeader", "TensorEntry",
     "read_header", "detect_format", "inspect_file", "load_file", "infer_layout", "make_layout",
-    "KNOWN_BLOCKS", "block_grid", "check_scale_range",
+    "KNOWN_BLOCKS", "block_grid", "check_scale_range", "check_nvfp4_range",
     "PLAIN", "COMFY_SCALED", "COMFY_METADATA", "COMFY_PER_LAYER", "MUSUBI", "WEIGHT_SCALE", "BLOCKWISE_INV",
     "UNQUANTIZED", "FP8_DTYPES", "FP8_BY_NAME", "ST_DTYPES", "ST_NAMES",
 ]

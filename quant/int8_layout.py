@@ -28,7 +28,7 @@ import torch
 
 from .layouts import QuantizationError
 
-__all__ = ["Int8", "hadamard", "rotate", "unrotate", "INT8_MAX", "int8_scale"]
+__all__ = ["Int8", "hadamard", "check_block", "hadamard_bytes", "rotate", "unrotate", "INT8_MAX", "int8_scale"]
 
 INT8_MAX = 127.0
 _H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
@@ -41,16 +41,28 @@ def _power_of(n: int, base: int) -> bool:
     return n == 1
 
 
+def check_block(size: int, regular: bool = False) -> None:
+    """QuantizationError unless ``size`` is a block size the rotation can have (a power of 4 for the
+    regular Hadamard, of 2 for Sylvester's); builds nothing, so a size read from a file is checked
+    before the ``4 * size**2`` bytes of its matrix are spent."""
+    base = 4 if regular else 2
+    if isinstance(size, bool) or not isinstance(size, int) or size < base or not _power_of(size, base):
+        raise QuantizationError(f"a {'regular' if regular else 'Sylvester'} Hadamard rotation needs a block "
+                                f"size that is a power of {base}, got {size!r}")
+
+
+def hadamard_bytes(size: int) -> int:
+    """Bytes of the float32 ``[size, size]`` matrix :func:`hadamard` builds (and caches per device)."""
+    return 4 * size * size
+
+
 def hadamard(size: int, regular: bool = False, device=None) -> torch.Tensor:
     """Normalized symmetric Hadamard matrix ``[size, size]`` (float32), cached per device."""
     device = torch.device("cpu" if device is None else device)
     key = (size, regular, device)
     h = _hadamards.get(key)
     if h is None:
-        base = 4 if regular else 2
-        if size < base or not _power_of(size, base):
-            raise QuantizationError(f"a {'regular' if regular else 'Sylvester'} Hadamard rotation needs a block "
-                                    f"size that is a power of {base}, got {size}")
+        check_block(size, regular)
         seed = torch.tensor(_H4 if regular else ((1, 1), (1, -1)), dtype=torch.float32)
         h = seed
         while h.shape[0] < size:
@@ -107,7 +119,7 @@ class Int8:
         if isinstance(self.rotation, bool) or not isinstance(self.rotation, int) or self.rotation < 0:
             raise QuantizationError(f"Int8 rotation must be 0 or a block size, got {self.rotation!r}")
         if self.rotation:
-            hadamard(self.rotation, self.regular)  # validates the size
+            check_block(self.rotation, self.regular)  # the matrix itself is built at first use
 
     def _check(self, shape) -> None:
         if len(shape) != 2:

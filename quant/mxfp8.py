@@ -5,7 +5,9 @@ What a 0.29 file holds for a layer whose `<layer>.comfy_quant` says `{"format": 
 - `<layer>.weight_scale`: the block exponents as bytes (safetensors `F8_E8M0`, or `U8`), value
   `2 ** (code - 127)`, one per row and 32 columns, in cuBLAS's tiled "128 x 4" order (the order its
   block-scaled matmul reads), padded to 128 rows and 4 block columns; 0.29 writes the 2-D form
-  `[128 * ceil(out / 128), 4 * ceil(in / 32 / 4)]`.
+  `[128 * ceil(out / 128), 4 * ceil(in / 32 / 4)]`, the only shape read (a transposed, reshaped or flat
+  grid of as many bytes would read as the scales of other blocks). A `group_size` in the layer's JSON,
+  where given, must be 32, and a `block_size` [1, 32].
 The bytes run tile by tile (tile rows outer, tile columns inner); inside a tile of 128 rows x 4 block
 columns they run by j, then i, then c, for the scale of row `32 * i + j` of the tile and its block
 column c. `unswizzle` and `swizzle` convert between that and the plain `[rows, blocks]` matrix.
@@ -38,6 +40,7 @@ E8M0_BIAS = 127
 _TILE_ROWS, _TILE_COLS = 128, 4
 
 __all__ = ["MXFP8", "BLOCK", "e8m0_to_float32", "float32_to_e8m0", "unswizzle", "swizzle", "scales_from_file",
+           "check_tiled_shape",
            "scales_for_file", "padded_shape", "padded_weight_shape", "is_mxfp8", "at_shape", "file_tensors"]
 
 
@@ -130,7 +133,19 @@ def scales_from_file(stored: torch.Tensor, weight_shape) -> torch.Tensor:
         raise QuantizationError(f"an MXFP8 weight's stored input size must be a multiple of {BLOCK}, got {cols}")
     if stored.dtype not in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
         raise QuantizationError(f"MXFP8 scales are UE8M0 bytes (F8_E8M0 or U8), got {stored.dtype}")
+    check_tiled_shape(stored, rows, cols // BLOCK, f"MXFP8 scales (one per row and {BLOCK} inputs)")
     return e8m0_to_float32(unswizzle(stored.view(torch.uint8), rows, cols // BLOCK).contiguous())
+
+
+def check_tiled_shape(stored: torch.Tensor, rows: int, blocks: int, what: str) -> None:
+    """QuantizationError unless `stored` has the 2-D shape ComfyUI stores `rows x blocks` tiled scales in,
+    `[128 * ceil(rows / 128), 4 * ceil(blocks / 4)]` (comfy-kitchen's `to_blocked(..., flatten=False)`).
+    The element count alone does not tell a transposed or reshaped grid from the real one, and such a
+    grid would read as scales of the wrong blocks."""
+    want = padded_shape(rows, blocks)
+    if tuple(stored.shape) != want:
+        raise QuantizationError(f"{what} for {rows} rows x {blocks} blocks are stored as shape {list(stored.shape)}, "
+                                f"not the tiled [{want[0]}, {want[1]}] (rows padded to 128, block columns to 4)")
 
 
 def scales_for_file(scale: torch.Tensor) -> torch.Tensor:

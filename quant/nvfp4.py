@@ -6,8 +6,11 @@ What such a file holds for a layer whose `<layer>.comfy_quant` says `{"format": 
   `R, C` are the layer's `[out, in]` each rounded up to a multiple of 16 (zero padding);
 - `<layer>.weight_scale`: float8_e4m3fn block scales, one per row and 16 columns, in cuBLAS's tiled
   "128 x 4" order (the same order as MXFP8's, see `mxfp8.unswizzle`), padded to
-  `[128 * ceil(R / 128), 4 * ceil(C / 16 / 4)]`;
-- `<layer>.weight_scale_2`: the float32 per-tensor scale (a scalar);
+  `[128 * ceil(R / 128), 4 * ceil(C / 16 / 4)]`, the 2-D shape comfy-kitchen writes (any other shape
+  holding as many bytes, transposed or flat, is refused: it would read as the scales of other blocks);
+- `<layer>.weight_scale_2`: the float32 per-tensor scale (a scalar); its product with the largest block
+  scale and the largest e2m1 value (6) must fit the compute dtype, else the weight would be inf;
+- a `group_size` in the layer's JSON, where a file gives one, must be 16 (the only one the form has);
 - optionally `<layer>.input_scale` (for Blackwell's fp4 x fp4 matmul, which the pack does not use).
 A value is `e2m1 * (tensor_scale * block_scale)`. comfy-kitchen's eager dequantization forms that in
 the output dtype: both scales are converted to it, multiplied (one rounding), and the e2m1 value is
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .layouts import QuantizationError
-from .mxfp8 import swizzle, unswizzle
+from .mxfp8 import check_tiled_shape, swizzle, unswizzle
 
 GROUP = 16
 E2M1_MAX = 6.0
@@ -241,6 +244,8 @@ def scales_from_file(weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, s
         raise QuantizationError(f"the NVFP4 tensor scale must be one float, got {weight_scale_2.dtype} "
                                 f"{list(weight_scale_2.shape)}")
     layout = NVFP4(rows, half * 2)
+    check_tiled_shape(weight_scale, layout.padded[0], layout.blocks,
+                      f"NVFP4 block scales (one per row and {GROUP} inputs)")
     block = unswizzle(weight_scale.view(torch.uint8), layout.padded[0], layout.blocks).contiguous()
     scale = join_scales(block.view(torch.float8_e4m3fn), weight_scale_2.to(torch.float32))
     block_f, ts = split_scales(scale, layout)
