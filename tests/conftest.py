@@ -65,10 +65,12 @@ def comfyui_tree() -> Path:
     """The ComfyUI tree in use (COMFYUI_PATH, else .host/comfyui); skips where none is set up."""
     from comfyhost import comfyui_root
 
+    from helpers.host import missing_tree
+
     try:
         return comfyui_root()
     except FileNotFoundError as exc:
-        pytest.skip(f"needs a ComfyUI tree: {exc}")
+        missing_tree(f"needs a ComfyUI tree: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,9 @@ def tiny_run(tmp_path_factory):
     try:
         tree, python = comfyui_root(), comfyui_python()
     except FileNotFoundError as exc:
-        pytest.skip(f"needs a ComfyUI tree and its environment: {exc}")
+        from helpers.host import missing_tree
+
+        missing_tree(f"needs a ComfyUI tree and its environment: {exc}")
     env = dict(os.environ, COMFYUI_PATH=str(tree), PYTHONUNBUFFERED="1")
     work = tmp_path_factory.mktemp("e2e_tiny")
     proc = subprocess.run([str(python), str(SCRIPT), "--tiny", "--keep-dir", str(work)], capture_output=True,

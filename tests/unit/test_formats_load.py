@@ -58,13 +58,27 @@ def test_each_format_is_close_to_the_float_weights(files, fmt):
         assert sqnr(ref[key], sd[key].dequantize(torch.float64)) > floor
 
 
-def test_weights_stay_fp8_and_memory_mapped(files):
-    path, _ = files["comfy_quant_metadata"]
-    sd, _ = formats.load_file(path)
+def test_weights_stay_fp8_and_nothing_stays_mapped(files, tmp_path):
+    """The weights keep one byte per element, and the loader reads them into memory: overwriting the
+    file in place (as `cp` over it does) and deleting it afterwards changes nothing that was loaded."""
+    import shutil
+
+    path = tmp_path / "copy.safetensors"
+    shutil.copy(files["comfy_quant_metadata"][0], path)
+    sd, _ = formats.load_file(str(path))
     qt = sd["blocks.0.mlp.fc1.weight"]
     assert qt.qdata.dtype == torch.float8_e4m3fn
     assert qt.qdata.element_size() == 1
     assert qt.dtype == torch.bfloat16  # logical dtype = the file's float dtype
+    before = {k: (v.qdata if isinstance(v, QuantizedTensor) else v).view(torch.uint8).clone() for k, v in sd.items()
+              if (v.qdata if isinstance(v, QuantizedTensor) else v).numel()}
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.write(b"\xa5" * size)  # every byte of the file, header included, in place
+    path.unlink()
+    for key, raw in before.items():
+        v = sd[key]
+        assert torch.equal((v.qdata if isinstance(v, QuantizedTensor) else v).view(torch.uint8), raw), key
 
 
 def test_config_and_input_scale_are_attached(files):
