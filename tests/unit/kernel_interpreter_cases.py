@@ -21,6 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 from fp8_engram.quant import Block, PerRow, PerTensor, QuantizedTensor  # noqa: E402
 from fp8_engram.quant.kernels import act_quant, dequant, weight_only_gemm  # noqa: E402
 from fp8_engram.quant.kernels._triton import INTERPRET  # noqa: E402
+from helpers.numerics import sqnr  # noqa: E402
 
 pytestmark = pytest.mark.unit
 ACT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -33,11 +34,6 @@ def test_the_interpreter_is_on():
 
 def _bytes_equal(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-def sqnr(ref, x):
-    ref = ref.double()
-    return (20 * torch.log10(ref.norm() / (ref - x.double()).norm())).item()
 
 
 def _activation(m, k, dtype, seed=0, strided=True):

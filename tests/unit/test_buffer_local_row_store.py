@@ -5,13 +5,9 @@ import torch
 
 from fp8_engram.engram import ue8m0
 from fp8_engram.engram.store import LocalRowStore, RowStore
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
-
-
-def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.double(), x.double()
-    return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -37,7 +33,7 @@ def test_write_then_fetch_and_read_match_a_float64_reference(dtype):
         expect[valid] = ref[layer][ids[valid]]
         got = out[layer].reshape(-1, hidden)
         assert torch.all(got[~valid] == 0)
-        assert sqnr_db(expect[valid], got[valid]) > threshold
+        assert sqnr(expect[valid], got[valid]) > threshold
         assert torch.equal(store.read_rows(layer, ids[valid]), got[valid])
 
 

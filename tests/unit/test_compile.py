@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from fp8_engram.quant import MXFP8, Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, custom_ops, layouts
 from fp8_engram.quant import linear as quant_linear
 from fp8_engram.quant.tensor import reset_log_once
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
@@ -44,11 +45,6 @@ NO_CPU_SCALED_MM = f"torch {torch.__version__} has no CPU scaled-matmul kernel"
 HAS_CUDA = torch.cuda.is_available()
 MARGIN_DB = 1.0
 SIZES = (256, 384, 256, 128)  # multiples of 128, so 128x128 block weights may take the fp8 path
-
-
-def sqnr(ref, x) -> float:
-    ref = ref.double()
-    return float(20 * torch.log10(ref.norm() / (ref - x.double()).norm()))
 
 
 class Chain(nn.Module):

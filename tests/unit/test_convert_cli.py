@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from fp8_engram.quant import convert, formats
 from fp8_engram.quant.tensor import QuantizedTensor
 from helpers import fp8_files
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
@@ -29,11 +30,6 @@ def float_sd():
         "x_embedder.proj.weight": torch.randn(128, 64, generator=g).bfloat16(),
         "final_layer.linear.weight": torch.randn(64, 128, generator=g).bfloat16(),
     }
-
-
-def sqnr(ref, x):
-    ref = ref.double()
-    return float(20 * torch.log10(ref.norm() / (ref - x.double()).norm()))
 
 
 @pytest.fixture()

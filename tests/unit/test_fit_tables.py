@@ -1,7 +1,6 @@
 """Writing tables: closed-form phrase writes (collisions included) and the row-sparse fit, which must
 beat zero and random tables on held-out prompts that share the phrases."""
 
-import math
 
 import pytest
 import torch
@@ -10,16 +9,12 @@ from fp8_engram.engram.fit import LayerExample, closed_form_write, fit, incidenc
 from fp8_engram.engram.memory import EngramMemory, make_config
 from fp8_engram.engram.store import LocalRowStore
 from fp8_engram.engram.streams import family_layout
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
 WIDTH = 16
 VOCAB = [f"w{i}" for i in range(200)]
-
-
-def sqnr(ref, x):
-    ref, x = ref.double(), x.double()
-    return 20 * math.log10(ref.norm() / (ref - x).norm())
 
 
 def comfy_tokens(ids):

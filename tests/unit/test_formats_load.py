@@ -10,6 +10,7 @@ from fp8_engram.quant import formats
 from fp8_engram.quant.config import ComputeConfig
 from fp8_engram.quant.tensor import QuantizedTensor
 from helpers import fp8_files
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
@@ -23,11 +24,6 @@ def float_sd() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return fp8_files.write_all(float_sd(), tmp_path_factory.mktemp("load"))
-
-
-def sqnr(ref, x):
-    ref = ref.double()
-    return float(20 * torch.log10(ref.norm() / (ref - x.double()).norm()))
 
 
 @pytest.mark.parametrize("fmt", fp8_files.FORMATS)

@@ -16,17 +16,13 @@ import torch.nn.functional as F
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, QuantizedTensor
 from fp8_engram.quant.tensor import reset_log_once
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
 lin = importlib.import_module("fp8_engram.quant.linear")
 FP8 = ComputeConfig(path="fp8")
 CPU = torch.device("cpu")
-
-
-def sqnr(ref, x):
-    ref = ref.double()
-    return (20 * torch.log10(ref.norm() / (ref - x.double()).norm())).item()
 
 
 @pytest.fixture

@@ -14,15 +14,11 @@ from fp8_engram.engram.allocators import leftover_segments
 from fp8_engram.engram.group import EngramGroup, EngramWorkerError
 from fp8_engram.engram.store import LocalRowStore, RowStore
 from helpers.procs import process_ended
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
 HIDDEN = 256
-
-
-def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.double(), x.double()
-    return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
 
 
 @pytest.fixture(scope="module", params=[(1, torch.bfloat16), (2, torch.bfloat16), (4, torch.float8_e4m3fn)], ids=["1rank-bf16", "2rank-bf16", "4rank-fp8"])
@@ -58,7 +54,7 @@ def test_fetch_rows_matches_float64_reference(group):
         got = out[layer].reshape(-1, HIDDEN)
         assert out[layer].shape == (7, 16, HIDDEN) and out[layer].dtype == torch.float32
         assert torch.all(got[~valid] == 0)
-        assert sqnr_db(ref[layer][ids[valid]], got[valid]) > threshold
+        assert sqnr(ref[layer][ids[valid]], got[valid]) > threshold
         assert torch.equal(group.read_rows(layer, ids[valid]), got[valid])
 
 

@@ -7,13 +7,9 @@ import torch
 
 from fp8_engram.engram.inject import combine, context_gate, inject, inject_block
 from fp8_engram.engram.streams import Stream, StreamTokens
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
-
-
-def sqnr(ref, x):
-    ref, x = ref.double(), x.double()
-    return 20 * math.log10(ref.norm() / (ref - x).norm())
 
 
 def test_zero_values_keep_exact_bits_including_negative_zero():

@@ -11,13 +11,9 @@ from fp8_engram.quant import ComputeConfig, PerRow, PerTensor, QuantizationError
 from fp8_engram.quant import int8 as qint8
 from fp8_engram.quant.int8_layout import Int8, hadamard
 from fp8_engram.quant.kernels import int8_mm
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
-
-
-def sqnr(ref, y):
-    ref = ref.double()
-    return (20 * torch.log10(ref.norm() / (ref - y.double()).norm())).item()
 
 
 def outlier_activation(shape, k, seed=0, channels=8, factor=60.0):

@@ -14,6 +14,7 @@ from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedT
 from fp8_engram.quant import kernels
 from fp8_engram.quant.kernels import act_quant, dequant, weight_only_gemm
 from fp8_engram.quant.tensor import reset_log_once
+from helpers.numerics import sqnr
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -22,11 +23,6 @@ quant_linear = importlib.import_module("fp8_engram.quant.linear")
 needs_fp8 = pytest.mark.skipif(not HAS_FP8_GPU,
                                reason="needs a CUDA GPU with FP8 matrix units (capability 8.9+)")
 needs_triton = pytest.mark.skipif(not kernels.HAS_TRITON, reason="needs triton on the CUDA machine")
-
-
-def sqnr(ref, x):
-    ref = ref.double()
-    return (20 * torch.log10(ref.norm() / (ref - x.double()).norm())).item()
 
 
 def _bytes_equal(a, b):

@@ -6,13 +6,9 @@ import torch
 
 from fp8_engram.quant import Block, PerRow, PerTensor, QuantizedTensor, numerics
 from fp8_engram.quant.kernels import act_quant, dequant
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
-
-
-def sqnr(ref, x):
-    ref = ref.double()
-    return (20 * torch.log10(ref.norm() / (ref - x.double()).norm())).item()
 
 
 def test_the_scale_rule_is_a_multiply_by_a_float32_reciprocal():

@@ -11,17 +11,13 @@ import torch.nn.functional as F
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, fp8_supported
 from fp8_engram.quant import linear as quant_linear
 from fp8_engram.quant.tensor import reset_log_once
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
 lin = importlib.import_module("fp8_engram.quant.linear")
 FP8 = ComputeConfig(path="fp8")
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_supported(torch.device("cuda"))
-
-
-def sqnr(ref, x):
-    ref = ref.double()
-    return (20 * torch.log10(ref.norm() / (ref - x.double()).norm())).item()
 
 
 def _data(out_f=96, in_f=192, tokens=24, device="cpu"):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor
 from fp8_engram.quant import linear as quant_linear
 from fp8_engram.quant.tensor import reset_log_once
+from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
@@ -30,11 +31,6 @@ MIN_LINEAR = {
     ("fp8", torch.float8_e4m3fn): 27.0,
     ("fp8", torch.float8_e5m2): 23.0,
 }
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref = ref.double()
-    return (20 * torch.log10(ref.norm() / (ref - x.double()).norm())).item()
 
 
 def _weight(out_f=96, in_f=192, seed=0, dtype=torch.bfloat16):
