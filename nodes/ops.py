@@ -5,6 +5,8 @@
   `_load_from_state_dict` takes the `QuantizedTensor` from the state dict as it is (FP8 bytes,
   memory-mapped from the file until touched); plain weights (layers kept in high precision) load as
   in stock ComfyUI;
+- keeps a convolution's weight FP8 when the file holds it FP8 (cast per call, exactly, as stock's manual
+  cast does);
 - runs forward through `fp8_engram.quant.linear` with the weight's ComputeConfig (weight-only on the
   CPU by default); a weight on another device moves as FP8 (that is what offloading moves);
 - supports ComfyUI weight patches (LoRA ...) through the `convert_weight` / `set_weight` hooks that
@@ -172,8 +174,35 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                     self.weight = torch.nn.Parameter(new, requires_grad=False)
                 return None
 
+    for conv in ("Conv1d", "Conv2d", "Conv3d"):
+        if hasattr(base, conv):
+            setattr(FP8Ops, conv, _fp8_keeping_conv(getattr(base, conv)))
     FP8Ops.__name__ = FP8Ops.__qualname__ = "FP8EngramOps"
     return FP8Ops
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fp8_keeping_conv(conv_cls):
+    """`conv_cls` whose weight stays FP8 when the file holds it FP8 (plain casts of UNets and patch
+    embeddings), as stock ComfyUI keeps it when it keeps a file's FP8 weights; the cast to the input's
+    dtype per call (the base class's manual cast) is exact. Other weights load as in the base class."""
+
+    class FP8KeepingConv(conv_cls):
+        def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                  unexpected_keys, error_msgs):
+            w = state_dict.get(prefix + "weight")
+            cur = self.weight
+            if (isinstance(w, torch.Tensor) and not isinstance(w, QuantizedTensor) and w.dtype in _FP8_DTYPES
+                    and cur is not None and cur.dtype != w.dtype and tuple(cur.shape) == tuple(w.shape)):
+                self.weight = torch.nn.Parameter(torch.empty(cur.shape, dtype=w.dtype, device=cur.device),
+                                                 requires_grad=False)
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+
+    FP8KeepingConv.__name__ = FP8KeepingConv.__qualname__ = conv_cls.__name__
+    return FP8KeepingConv
 
 
 _WORKSPACE_CALLBACK_KEY = "fp8_engram.release_workspace"
