@@ -4,6 +4,10 @@ Used by the demo (scripts/demo.py), the tests (tests/conftest.py) and the benchm
 from the ComfyUI tree set up by scripts/setup.sh (or COMFYUI_PATH) with `--base-directory` pointing at
 a folder of its own, so models, outputs and custom_nodes never touch the user's ComfyUI: the pack is
 linked into `<base>/custom_nodes/fp8_engram`.
+
+The frontend is the one the tree's environment pins, unless FP8_ENGRAM_FRONTEND names another
+release of `comfyui-frontend-package` (e.g. 1.58.1): scripts/setup.sh installs it into
+`.host/frontends/` and the server serves it with `--front-end-root`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class WorkflowError(RuntimeError):
 DEFAULT_TREE = ROOT / ".host" / "comfyui"
 BASE_VENV = ROOT / ".venv"
 TREE_ENVS = ROOT / ".host" / "envs"
+FRONTENDS = ROOT / ".host" / "frontends"
+FRONTEND_ENV = "FP8_ENGRAM_FRONTEND"
 
 
 def comfyui_root() -> Path:
@@ -85,6 +91,34 @@ def comfyui_version(tree: Path | None = None) -> tuple[int, ...]:
     return ()
 
 
+def frontend_version() -> str | None:
+    """The frontend release asked for with FP8_ENGRAM_FRONTEND (e.g. "1.58.1"); None: the tree's own."""
+    version = os.environ.get(FRONTEND_ENV, "").strip()
+    if not version:
+        return None
+    if not all(part.isdigit() for part in version.split(".")) or version.count(".") != 2:
+        raise ValueError(f"{FRONTEND_ENV}={version!r} is not a comfyui-frontend-package release such as 1.58.1")
+    return version
+
+
+def frontend_dir(version: str) -> Path:
+    """Where scripts/setup.sh installs comfyui-frontend-package==`version` (pip --target, no dependencies)."""
+    return FRONTENDS / f"comfyui-frontend-package-{version}"
+
+
+def frontend_root() -> Path | None:
+    """The folder the server serves the frontend from (`--front-end-root`): the static files of the
+    release FP8_ENGRAM_FRONTEND names; None when it is unset (the tree's environment serves its own)."""
+    version = frontend_version()
+    if version is None:
+        return None
+    static = frontend_dir(version) / "comfyui_frontend_package" / "static"
+    if not (static / "index.html").is_file():
+        raise FileNotFoundError(f"{FRONTEND_ENV}={version}: the frontend is not installed at {static}: "
+                                f"run scripts/setup.sh with {FRONTEND_ENV}={version} set")
+    return static
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -128,6 +162,9 @@ class ComfyServer:
             self.python, str(root / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
             "--base-directory", str(self.base_dir), "--disable-auto-launch", *self.extra_args,
         ]
+        frontend = frontend_root()
+        if frontend is not None and "--front-end-root" not in self.extra_args:
+            cmd += ["--front-end-root", str(frontend)]
         logger.info("starting ComfyUI: %s (log: %s)", " ".join(cmd), self.log_path)
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -241,17 +278,28 @@ def _execution_error_text(status: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`comfyhost.py paths`: the tree and python in use; `comfyhost.py env-dir TREE`: that tree's env."""
+    """`comfyhost.py paths`: the tree, python and frontend in use; `comfyhost.py env-dir TREE`: that
+    tree's env; `comfyhost.py frontend-dir`: where FP8_ENGRAM_FRONTEND's release is installed (empty
+    when unset)."""
     if argv[:1] == ["env-dir"] and len(argv) == 2:
         sys.stdout.write(f"{env_dir(Path(argv[1]))}\n")
         return 0
+    if argv == ["frontend-dir"]:
+        version = frontend_version()
+        sys.stdout.write(f"{frontend_dir(version) if version else ''}\n")
+        return 0
     if argv == ["paths"]:
         tree = comfyui_root()
-        sys.stdout.write(f"comfyui={tree}\npython={comfyui_python(tree)}\n")
+        frontend = frontend_root()
+        sys.stdout.write(f"comfyui={tree}\npython={comfyui_python(tree)}\nfrontend={frontend or 'the one its environment pins'}\n")
         return 0
-    sys.stderr.write("usage: comfyhost.py paths | env-dir TREE\n")
+    sys.stderr.write("usage: comfyhost.py paths | env-dir TREE | frontend-dir\n")
     return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (ValueError, FileNotFoundError) as exc:
+        sys.stderr.write(f"comfyhost.py: {exc}\n")
+        sys.exit(2)

@@ -7,6 +7,9 @@
 #                           tree's requirements, layered over .venv (torch and the test tools are shared,
 #                           the tree's own pins win), so trees that pin different packages coexist
 #   .host/pkg/fp8_engram -> this checkout (so `import fp8_engram` works from scripts and tests)
+#   .host/frontends/comfyui-frontend-package-<version>/  with FP8_ENGRAM_FRONTEND=<version> set: that
+#                           frontend release (pip --target, no dependencies), which the servers then
+#                           serve with --front-end-root instead of the one the tree pins
 # It never writes into a ComfyUI tree it did not create: servers get the pack through their own
 # --base-directory (scripts/comfyhost.py). Which tree and which python the tests and the demo use is
 # decided in one place, scripts/comfyhost.py (`python scripts/comfyhost.py paths` prints them).
@@ -117,10 +120,21 @@ if [ ! -f "$stamp" ] || [ "$comfy/requirements.txt" -nt "$stamp" ] || [ "$(cat "
   echo "$comfy" > "$stamp"
 fi
 
+# A frontend other than the tree's (FP8_ENGRAM_FRONTEND=1.58.1): comfyhost.py names its folder.
+frontend_dir="$("$venv/bin/python" "$root/scripts/comfyhost.py" frontend-dir)"
+if [ -n "$frontend_dir" ] && [ ! -f "$frontend_dir/installed.done" ]; then
+  log "installing comfyui-frontend-package==$FP8_ENGRAM_FRONTEND into $frontend_dir"
+  rm -rf "$frontend_dir.partial"
+  pip_in "$venv/bin/python" install -q --no-deps --no-compile --target "$frontend_dir.partial" "comfyui-frontend-package==$FP8_ENGRAM_FRONTEND"
+  rm -rf "$frontend_dir"
+  mv "$frontend_dir.partial" "$frontend_dir"
+  touch "$frontend_dir/installed.done"
+fi
+
 if [ "$want_browser" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
   log "installing Chromium (Debian package)"
   if [ "$(id -u)" = 0 ]; then sudo_=(); else sudo_=(sudo); fi
   "${sudo_[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo_[@]}" apt-get install -y -qq chromium >/dev/null
 fi
-log "ready: python=$python comfyui=$comfy"
+log "ready: python=$python comfyui=$comfy${frontend_dir:+ frontend=$frontend_dir}"
