@@ -45,7 +45,10 @@ DEFAULT_KEEP: tuple[str, ...] = (
 # mxfp8: 1 x 32 power-of-two scales (ComfyUI 0.29's form); nvfp4: 4-bit e2m1 (ComfyUI's NVFP4 form, 0.29+)
 GRANULARITIES = ("tensor", "row", "block", "mxfp8", "nvfp4")
 # ComfyUI 0.33's int8_tensorwise form: one scale per tensor, or per channel with its ConvRot rotation
-# (regular Hadamard, 256 wide, where in_features allows it); these weights run the int8 path
+# (regular Hadamard, 256 wide, where in_features allows it); these weights run the int8 path.
+# No asym_w4a8_int8 output, 4- or 6-bit ("W6A8", comfy-kitchen 0.2.36+): ComfyUI 0.33.0 with the
+# comfy-kitchen 0.2.31 it pins loads 6-bit rows but fails on their first use (kitchen 0.2.31 takes K
+# as twice the row width and rejects the group scales), so such a file would not run there.
 INT8_GRANULARITIES = ("int8 tensor", "int8 row convrot")
 GRANULARITIES = GRANULARITIES + INT8_GRANULARITIES
 FP8_NAMES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,

@@ -205,3 +205,62 @@ def test_int8_weights_of_any_rotation_save_in_comfyuis_form(tmp_path):
     assert torch.equal(loaded["b.weight"].qdata, sd["b.weight"].qdata)  # kept as it was
     for k in sd:
         assert (20 * math.log10(w.norm() / (w - loaded[k].dequantize(torch.float32)).norm())) > 38
+
+
+def six_bit_rows(codes):
+    """comfy-kitchen 0.2.36+'s 6-bit rows, restated: the K/2-byte nibble plane of each code's low four bits,
+    then a K/4-byte plane of its top two bits (column c in byte c//4, at bit 2*(c%4))."""
+    top = (codes >> 4) & 0x3
+    high = top[:, 0::4] | (top[:, 1::4] << 2) | (top[:, 2::4] << 4) | (top[:, 3::4] << 6)
+    return torch.cat([nibbles(codes[:, 0::2], codes[:, 1::2]), high.to(torch.uint8).view(torch.int8)], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_six_bit_asym_rows_dequantize_by_kitchens_rule(tmp_path, dtype):
+    g = torch.Generator().manual_seed(11)
+    n, k, group, rot = 16, 384, 32, 64
+    codes = torch.randint(1, 64, (n, k), generator=g)
+    s_rel = (torch.rand(n, k // group, generator=g) * 3 + 0.5).to(torch.float8_e4m3fn)
+    s_ch = torch.rand(n, generator=g) * 0.01 + 1e-4
+    sd = {"w6.weight": six_bit_rows(codes), "w6.weight_s_rel": s_rel, "w6.weight_s_channel": s_ch,
+          "w6.comfy_quant": cq({"format": "asym_w4a8_int8", "group_size": group, "convrot_groupsize": rot})}
+    assert sd["w6.weight"].shape == (n, k * 3 // 4)
+    save_file(sd, str(tmp_path / "w6.safetensors"))
+    loaded, report = formats.load_file(tmp_path / "w6.safetensors", orig_dtype=dtype)
+    assert report.granularities == {"asym_w4a8_int8": 1}
+    w = loaded["w6.weight"]
+    assert is_int8(w) and w.shape == (n, k)
+    # uniform levels code - 32, no codebook; the int8 grid, then the channel scale, cast, rotate back
+    grid = ((codes.float() - 32).view(n, k // group, group) * s_rel.float().unsqueeze(-1)).view(n, k)
+    grid = grid.round().clamp(-127, 127).to(torch.int8)
+    assert torch.equal(w.qdata, grid)
+    want = rotate_back((grid.float() * s_ch.view(n, 1)).to(dtype), rot, dtype).to(dtype)
+    assert torch.equal(w.dequantize(dtype), want)
+
+
+def _asym_file(tmp_path, cols, s_rel_cols, conf, codebook=False, n=8):
+    sd = {"d.weight": torch.ones(n, cols, dtype=torch.int8),
+          "d.weight_s_rel": torch.ones(n, s_rel_cols).to(torch.float8_e4m3fn), "d.weight_s_channel": torch.ones(n),
+          "d.comfy_quant": cq({"format": "asym_w4a8_int8", **conf})}
+    if codebook:
+        sd["d.weight_codebook"] = torch.linspace(-1, 1, 16)
+    save_file(sd, str(tmp_path / "asym.safetensors"))
+    return tmp_path / "asym.safetensors"
+
+
+@pytest.mark.parametrize("cols,s_rel_cols,conf,codebook,key,match", [
+    # K = 32 groups x 16 = 512: rows must be 256 (4-bit) or 384 (6-bit) bytes
+    (320, 32, {"group_size": 16}, False, "'d.weight'", r"320 bytes wide.*K=512.*256 bytes at 4 bits and 384 at 6"),
+    (255, 32, {"group_size": 16}, False, "'d.weight'", "255 bytes wide"),
+    # the right width for the wrong group_size: K = 32 x 8 = 256, and 384 bytes is neither 128 nor 192
+    (384, 32, {"group_size": 8}, False, "'d.weight'", "group_size is wrong"),
+    # 6-bit rows: uniform (no codebook), group_size a multiple of 16, K a multiple of 32
+    (384, 32, {"group_size": 16}, True, "'d.weight_codebook'", "6-bit form is uniform"),
+    (384, 64, {"group_size": 8}, False, "'d.comfy_quant'", "group_size a multiple of 16"),
+    (36, 3, {"group_size": 16, "convrot_groupsize": 16}, False, "'d.comfy_quant'", "K a multiple of 32"),
+])
+def test_malformed_asym_rows_are_named(tmp_path, cols, s_rel_cols, conf, codebook, key, match):
+    path = _asym_file(tmp_path, cols, s_rel_cols, conf, codebook)
+    with pytest.raises(formats.FormatError, match=match) as info:
+        formats.load_file(path)
+    assert "asym.safetensors" in str(info.value) and key in str(info.value), str(info.value)
