@@ -3,7 +3,8 @@
 This is what ComfyUI's ENGRAM_MEMORY socket carries. It holds
 - `config` (MemoryConfig): the stream layout (which CONDITIONING rows/columns each tokenizer fills),
   the hashing parameters, the row width, the gate setting and the fingerprint of every tokenizer's
-  decoded vocabulary (a memory refuses a tokenizer it was not built for);
+  vocabulary (a memory refuses a tokenizer it was not built for) and the tokenizer compression rule
+  (compress.py) its row ids were hashed under;
 - `store`: the tables (LocalRowStore, or an EngramGroup of worker processes); the memory owns it and
   `close()` releases it;
 - `version`: bumped by every write, so callers can tell a changed memory from an unchanged one;
@@ -30,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .compress import CompressedVocab, compressed_vocab
+from .compress import CURRENT_RULE, LEGACY_RULE, RULES, CompressedVocab, compressed_vocab
 from .fit import FitResult, LayerExample, closed_form_write, fit, mean_squared_error
 from .hashing import HashConfig, NgramHasher
 from .inject import combine, inject
@@ -40,7 +41,10 @@ from .streams import StreamLayout, StreamTokens, place_tokens, total_rows
 logger = logging.getLogger(__name__)
 
 MEMORY_FORMAT = "fp8-engram-memory"
-MEMORY_FORMAT_VERSION = 1
+# Version 2 records the tokenizer compression rule (hashing.compression). A version-1 file records none:
+# it was hashed under the legacy rule (compress.LEGACY_RULE, "text-v1") and is read with that rule, never
+# re-hashed under the current one.
+MEMORY_FORMAT_VERSION = 2
 
 
 class EngramMemoryError(ValueError):
@@ -97,8 +101,11 @@ class MemoryConfig:
     hidden: int
     fingerprints: dict[str, str] = field(default_factory=dict)  # token_key -> vocab fingerprint
     gate: bool = False
+    compression: str = CURRENT_RULE  # the tokenizer compression rule (compress.RULES) the rows were hashed under
 
     def __post_init__(self) -> None:
+        if self.compression not in RULES:
+            raise EngramMemoryError(f"unknown tokenizer compression rule {self.compression!r}; this pack knows {', '.join(RULES)}")
         if self.hashing.num_layers != len(self.layout.streams):
             raise EngramMemoryError(
                 f"hashing has {self.hashing.num_layers} layers but the layout has {len(self.layout.streams)} streams"
@@ -116,8 +123,15 @@ class MemoryConfig:
             "hidden": self.hidden,
             "gate": self.gate,
             "fingerprints": dict(self.fingerprints),
+            "compression": self.compression,
         }
         return hashing, self.layout.to_dict()
+
+    @property
+    def legacy_compression(self) -> bool:
+        """Whether the memory was hashed under the legacy compression rule (CJK, Hangul, Thai and emoji
+        byte fragments share one compressed id there)."""
+        return self.compression == LEGACY_RULE
 
     @classmethod
     def from_metadata(cls, hashing: Mapping[str, Any] | None, streams: Mapping[str, Any] | None, source: str = "table file") -> "MemoryConfig":
@@ -132,6 +146,7 @@ class MemoryConfig:
             raise EngramMemoryError(f"{source}: memory format version (hashing.format_version) {_shown(version)} is newer than this pack reads")
         if not isinstance(streams, Mapping):
             raise EngramMemoryError(f"{source}: no stream layout in the metadata")
+        compression = _compression_from_metadata(hashing, version, source)
         try:
             hash_config = HashConfig.from_dict(hashing)
         except KeyError as exc:
@@ -153,6 +168,7 @@ class MemoryConfig:
                 hidden=hidden,
                 fingerprints={str(k): str(v) for k, v in fingerprints.items()},
                 gate=bool(hashing.get("gate", False)),
+                compression=compression,
             )
         except KeyError as exc:
             raise EngramMemoryError(f"{source}: bad engram memory metadata: streams: {exc.args[0]} is missing") from exc
@@ -163,6 +179,22 @@ class MemoryConfig:
         """Global rows per layer: what the hashing needs, rounded up to a multiple of num_ranks."""
         needed = NgramHasher(self.hashing).rows_needed
         return [-(-n // num_ranks) * num_ranks for n in needed]
+
+
+def _compression_from_metadata(hashing: Mapping[str, Any], version: int, source: str) -> str:
+    """The compression rule a memory's metadata records: a version-1 file (none recorded) is the legacy
+    rule's; a rule this pack does not know is refused (the file is never re-hashed under another rule)."""
+    if "compression" not in hashing:
+        if version >= 2:
+            raise EngramMemoryError(f"{source}: bad engram memory metadata: hashing.compression is missing "
+                                    f"(a format-version-{version} memory records its tokenizer compression rule)")
+        return LEGACY_RULE
+    rule = hashing["compression"]
+    if rule not in RULES:
+        raise EngramMemoryError(f"{source}: the memory was hashed under tokenizer compression rule "
+                                f"(hashing.compression) {_shown(rule)}, which this pack does not know (it knows "
+                                f"{', '.join(RULES)}); load it with the pack version that wrote it")
+    return rule
 
 
 def config_from_table_file(path: str) -> tuple[MemoryConfig, dict]:
@@ -204,14 +236,18 @@ def make_config(
     seed: int = 0,
     hidden: int | None = None,
     gate: bool = False,
+    compression: str = CURRENT_RULE,
 ) -> tuple[MemoryConfig, dict[str, CompressedVocab]]:
     """A memory configuration for `layout`, given every stream's tokenizer (by token key: "l", "g",
-    "t5xxl"; a tokenizer-like object with decode(), or its decoded vocabulary)."""
+    "t5xxl"; a tokenizer-like object with decode() and convert_ids_to_tokens(), a compress.Vocabulary,
+    or its decoded vocabulary), hashed under the tokenizer compression rule `compression`."""
+    if compression not in RULES:
+        raise EngramMemoryError(f"unknown tokenizer compression rule {compression!r}; this pack knows {', '.join(RULES)}")
     vocabs = {}
     for s in layout.streams:
         if s.token_key not in tokenizers:
             raise EngramMemoryError(f"no tokenizer given for stream {s.name} (token key {s.token_key!r})")
-        vocabs[s.token_key] = compressed_vocab(tokenizers[s.token_key])
+        vocabs[s.token_key] = compressed_vocab(tokenizers[s.token_key], compression)
     hashing = HashConfig(
         num_layers=len(layout.streams),
         vocab_sizes=tuple(vocabs[s.token_key].num_compressed for s in layout.streams),
@@ -226,6 +262,7 @@ def make_config(
         hidden=hidden if hidden is not None else max(s.width for s in layout.streams),
         fingerprints={k: v.fingerprint for k, v in vocabs.items()},
         gate=gate,
+        compression=compression,
     )
     return config, vocabs
 
@@ -289,12 +326,18 @@ class EngramMemory:
         self.state.rows = rows
 
     def __repr__(self) -> str:
+        legacy = (f", compression={self.config.compression} (legacy rule: CJK, Hangul, Thai and emoji tokens that CLIP "
+                  "splits into bytes share rows; memorize into a New Engram Memory to use the current rule)"
+                  if self.config.legacy_compression else "")
         return (f"EngramMemory({self.config.layout.family}: {self.config.layout.names}, rows={self.store.rows_per_layer}, "
-                f"hidden={self.config.hidden}, dtype={self.store.table_dtype}, version={self.version})")
+                f"hidden={self.config.hidden}, dtype={self.store.table_dtype}, version={self.version}{legacy})")
 
     # ----- tokenizers -----
 
     def _accept_vocab(self, key: str, vocab: CompressedVocab) -> None:
+        if vocab.rule != self.config.compression:
+            raise EngramMemoryError(f"tokenizer {key!r} was compressed under rule {vocab.rule!r}, this memory was hashed "
+                                    f"under {self.config.compression!r}")
         expected = self.config.fingerprints.get(key)
         if expected is not None and expected != vocab.fingerprint:
             raise EngramMemoryError(
@@ -311,7 +354,7 @@ class EngramMemory:
         """Attach (and check) the tokenizers of the streams; cheap when already bound (cached)."""
         for s in self.config.layout.streams:
             if s.token_key in tokenizers:
-                self._accept_vocab(s.token_key, compressed_vocab(tokenizers[s.token_key]))
+                self._accept_vocab(s.token_key, compressed_vocab(tokenizers[s.token_key], self.config.compression))
 
     def _vocab(self, key: str) -> CompressedVocab:
         try:
