@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 from helpers.browser import run_api_graph, screenshot_node, wait_for_node_output
 from helpers.graphs import sd3_txt2img
+
+
+def test_the_page_runs_the_frontend_this_run_asks_for(page, comfyui_tree):
+    """FP8_ENGRAM_FRONTEND's release when set (CI's newest-frontend leg), else the one the tree pins:
+    a leg that meant to test a frontend and served another would pass for the wrong reason."""
+    wanted = os.environ.get("FP8_ENGRAM_FRONTEND", "").strip()
+    if not wanted:
+        pin = re.search(r"^comfyui-frontend-package==(\S+)", (comfyui_tree / "requirements.txt").read_text(), re.M)
+        assert pin, f"{comfyui_tree}/requirements.txt pins no comfyui-frontend-package"
+        wanted = pin.group(1)
+    assert page.evaluate("() => window.__COMFYUI_FRONTEND_VERSION__") == wanted
 
 
 def test_pack_extension_and_nodes_are_loaded(page, artifacts_dir):
