@@ -14,6 +14,11 @@ For engram layer `l` and a sequence of compressed ids x[0..T):
   every entry and the n-grams of live tokens are taken over the live tokens only, so a chunk boundary
   (EOS, PAD, BOS of the next 77-token chunk) does not break a phrase.
 
+Where this departs from DeepSeek's reference on purpose: the multipliers come from SplitMix64 (the
+reference draws them from numpy's generator), the pad id is a fresh id (the compressed vocabulary's
+size) rather than the compressed id of the tokenizer's pad token, and dead tokens are skipped rather
+than hashed. The compressed ids themselves follow the reference's rule (compress.py).
+
 Output of `NgramHasher.hash_layer`: int32 [tokens, entries]; `hash` stacks layers to
 [layers, tokens, entries] (the shape `RowStore.fetch_rows` takes).
 """
