@@ -28,7 +28,9 @@ Formats (see DESIGN.md):
 
 Every scale multiplies: `w = fp8 * expand(scale)`. Block scales are read only with the block sizes of
 `KNOWN_BLOCKS` or the one the file declares, and scales that would overflow the compute dtype are
-refused. Anything unknown or inconsistent raises `FormatError`, whose message names the file, the key
+refused (an NVFP4 layer's tensor scale times its largest block scale and e2m1 value included). Sizes a
+file declares (ConvRot groups, tiled NVFP4 / MXFP8 scale grids, group sizes) are checked against the
+tensors beside them before anything is built. Anything unknown or inconsistent raises `FormatError`, whose message names the file, the key
 and what was expected.
 """
 
@@ -584,7 +586,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     T = hdr.tensors
     consumed: set[str] = set()
 
-    nv_layers = _detect_nvfp4(path, hdr, rd, compute_dtype)  # ComfyUI's NVFP4 layers (their own keys and checks)
+    nv_layers = _detect_nvfp4(path, hdr, rd, compute_dtype)  # ComfyUI's NVFP4 layers (own keys and checks)
     for key in T:
         for suf in _UNSUPPORTED_SUFFIXES:
             if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
