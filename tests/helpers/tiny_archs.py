@@ -1,18 +1,20 @@
 """Tiny seeded diffusion models of the architectures people load FP8 files of, built by ComfyUI itself.
 
 Each `Arch` names one of ComfyUI's supported model classes (`comfy.supported_models.<config_class>`) and
-a small `unet_config` for it (hidden widths of 64-320, one or two blocks, a few million parameters);
+a small `unet_config` for it (widths of 64-256, one or two blocks, 0.4-7 million parameters; Hunyuan-DiT
+42 million, most of it its fixed 2048-wide T5 input MLP and pooler);
 `build_state_dict` asks that class for its model (`get_model`, the model ComfyUI builds for a file),
 fills every parameter from a fixed seed and returns the bf16 state dict, with the key names and
 shapes a released file of that family has.
 
 Loading such a file goes through ComfyUI's detection (`comfy.model_detection`), which reads most sizes
 from the tensor shapes but fixes some to the released models' values (Qwen-Image's 24 heads, Chroma's
-5120-wide guidance approximator, AuraFlow's 3072 width, SDXL's transformer depths...). While
-`detection_for(arch)` is active, ComfyUI's detection runs unchanged on the file and must pick the
-expected class; only the sizes it fixed are then set back to the tiny ones (`Arch.amended`, computed
-by comparing its result with the tiny config), and for the classes whose match itself needs a
-released size (`Arch.match_as`) the match is tried with those values. Stock ComfyUI and the pack go
+5120-wide guidance approximator, AuraFlow's 3072 width, Lumina's heads...). While `detection_for(arch)`
+is active, ComfyUI's detection runs unchanged on the file; the sizes it fixed are then set back to the
+tiny ones (`amended()`, found by comparing its result with the tiny config) and ComfyUI's class match
+runs on that. Where the match itself needs a released size (SD1.5 and SDXL: 320 model channels, SDXL's
+transformer depths; Z-Image: width 3840) it is made with `Arch.match_as` in place of the tiny values,
+and the matched class builds the tiny model. The test checks the class. Stock ComfyUI and the pack go
 through the same detection, so the comparison of the two loaders is not affected by it.
 
 `inputs(arch)` gives one forward's arguments for `BaseModel.apply_model`: latents of the family's
@@ -28,9 +30,6 @@ from typing import Any
 
 import torch
 
-VIDEO = "video"
-IMAGE = "image"
-
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
@@ -42,10 +41,6 @@ class Arch:
     extra: dict = dataclasses.field(default_factory=dict)  # name -> shape (float), ("int", shape, _) or an int
     match_as: dict = dataclasses.field(default_factory=dict)  # released sizes the class match requires
     seed: int = 0
-
-    @property
-    def kind(self) -> str:
-        return VIDEO if len(self.latent) == 4 else IMAGE
 
 
 ARCHS: tuple[Arch, ...] = (
@@ -103,7 +98,8 @@ ARCHS: tuple[Arch, ...] = (
           "context_dim": 2048, "use_linear_in_transformer": True, "adm_in_channels": 2816, "num_classes": "sequential",
           "use_temporal_attention": False, "use_spatial_transformer": True, "legacy": False, "image_size": 32,
           "use_checkpoint": False, "num_head_channels": 64, "use_temporal_resblock": False},
-         latent=(4, 8, 8), text=(8, 2048), extra={"y": (2816,)}, match_as={"model_channels": 320, "transformer_depth": [0, 0, 2, 2, 10, 10]},
+         latent=(4, 8, 8), text=(8, 2048), extra={"y": (2816,)},
+         match_as={"model_channels": 320, "transformer_depth": [0, 0, 2, 2, 10, 10]},
          seed=10),
     Arch("cosmos-predict2", "CosmosT2IPredict2",
          {"image_model": "cosmos_predict2", "max_img_h": 240, "max_img_w": 240, "max_frames": 128, "in_channels": 16,
@@ -201,7 +197,8 @@ def amended(arch: Arch, detected: dict, comfy) -> dict:
     """The tiny config's values that ComfyUI's detection set otherwise (fixed to the released sizes)."""
     extra = getattr(getattr(comfy.supported_models, arch.config_class), "unet_extra_config", {})  # the class adds these
     return {k: v for k, v in tiny_config(arch, comfy).items()
-            if (k not in detected or _norm(detected[k]) != _norm(v)) and not (k in extra and _norm(extra[k]) == _norm(v))}
+            if (k not in detected or _norm(detected[k]) != _norm(v))
+            and not (k in extra and _norm(extra[k]) == _norm(v))}
 
 
 @contextlib.contextmanager

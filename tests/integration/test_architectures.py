@@ -9,19 +9,24 @@ Chroma, Lumina 2, Z-Image, SD1.5, SDXL, Cosmos Predict2, Hunyuan-DiT, AuraFlow. 
   linear weight;
 - `converted`: the bf16 model through the pack's converter (fp8_engram.quant.convert, per tensor),
 and loaded by `comfy.sd.load_diffusion_model` (what UNETLoader runs) and by the pack's node
-(weight-only, the path that dequantizes as stock does on a CPU), both as on a device the model does not
-fit in as bf16 (where stock keeps FP8 weights FP8; see `small_vram`). Asserted for each: the same layers
-hold FP8 weights in both models, and one forward of the family's inputs (5-D latents for the video
-models, the family's text width, pooled / guidance vectors) gives stock's output: bit-identical,
-or within float32 rounding (relative L2 difference below 1e-6, far under FP8's ~1e-2 error). The one
-difference allowed is stock's own: ComfyUI 0.3.75 builds a legacy scaled_fp8 model in the FP8 dtype,
-so it rounds the file's bf16 biases to FP8; there the pack (which keeps them) must give stock's
-output once its biases are rounded the same way (the SQNR of both against the bf16 model is printed). Stock, short of memory, also rounds norms and
-biases of plain casts to FP8 (reported, not compared: the comparison is with stock widening them).
+(weight-only, the path that dequantizes as stock does on a CPU). Asserted for each:
+- FP8 layers: the pack holds in FP8 exactly the layers the file holds in FP8, so every layer stock keeps
+  FP8 (loaded as on a device the model does not fit in as bf16, where stock keeps a file's FP8 weights;
+  see `small_vram`). Stock widens one on purpose (Wan's patch embedding, built in float32); short of
+  memory it also rounds the norms and biases of plain casts to FP8 (both reported).
+- Output: one forward of the family's inputs (5-D latents for the video models, the family's text
+  width, pooled / guidance vectors) gives stock's (stock with room, which widens what it does not keep
+  FP8, exactly): bit-identical, or within float32 rounding (relative L2 difference below 1e-6, far
+  under FP8's ~1e-2 error). The one difference allowed is stock's own: ComfyUI 0.3.75 builds a legacy
+  scaled_fp8 model in the FP8 dtype, so it rounds the file's bf16 biases to FP8; there the pack (which
+  keeps them) must give stock's output once its biases are rounded the same way (the SQNR of both
+  against the bf16 model is printed).
 A tree without an architecture skips it and names what is missing.
 
-CI time budget: the whole set under 3 minutes on a 2-core machine (measured: see the README note and
-the report printed with -s). The tiny models are built once per module.
+CI time budget: the whole set (39 cases) under 3 minutes on a 2-core machine. Measured on the shared
+2-core machine (load average ~8): 146 s on ComfyUI 0.33.0, 159 s on 0.29.0, 170 s on 0.3.75. Each tiny
+model is built and written once per module; `-s` prints one line per case (FP8 layer counts of the file,
+the pack and stock, the difference, SQNR of both against the bf16 model, what detection needed amended).
 """
 
 from __future__ import annotations
@@ -207,8 +212,9 @@ def test_pack_loads_architecture_like_stock(comfy_env, arch, fmt):
         rounded = stock_rounded_biases(stock, path)
         db_pack, db_stock = sqnr(full, ours), sqnr(full, ref)
         print(f"\n[arch] {arch.name:15s} {fmt:9s} FP8 layers: file {len(in_file):3d} pack {len(pack_fp8):3d} "
-              f"stock {len(kept_by_stock):3d} (stock widens {len(in_file - stock_fp8)}, rounds {len(stock_fp8 - in_file)} "
-              f"more to FP8 when short of memory, rounds {len(rounded)} biases)  pack vs stock: "
+              f"stock {len(kept_by_stock):3d} (stock widens {len(in_file - stock_fp8)}, "
+              f"rounds {len(stock_fp8 - in_file)} more to FP8 when short of memory, rounds {len(rounded)} biases)  "
+              "pack vs stock: "
               f"{'bit-identical' if identical else f'rel {rel:.2e}'}  SQNR vs bf16 pack {db_pack:.1f} dB stock "
               f"{db_stock:.1f} dB  amended {sorted(record['amended'])} matched as {sorted(arch.match_as)}")
         if identical or rel < REL_TOL:
@@ -222,6 +228,7 @@ def test_pack_loads_architecture_like_stock(comfy_env, arch, fmt):
         print(f"[arch] {arch.name:15s} {fmt:9s} with stock's FP8 biases the pack gives "
               f"{'stock bit for bit' if torch.equal(emulated, ref) else f'rel {rel_emulated:.2e}'}")
         assert torch.equal(emulated, ref) or rel_emulated < REL_TOL, (
-            f"{arch.name} {fmt}: the pack differs from stock by {rel:.3e}, and by {rel_emulated:.3e} with stock's FP8 biases")
+            f"{arch.name} {fmt}: the pack differs from stock by {rel:.3e}, "
+            f"and by {rel_emulated:.3e} with stock's FP8 biases")
     finally:
         comfy.model_management.unload_all_models()
