@@ -176,7 +176,10 @@ def write_table_file(
     if free < total:
         raise TableFileWriteError(errno.ENOSPC, f"{path}: the table file needs {total / 2**20:,.2f} MiB but only "
                                   f"{free / 2**20:,.2f} MiB are free in {folder}; nothing was written")
-    fd, tmp = _new_temp_file(folder, ".tmp-", ".safetensors")
+    try:
+        fd, tmp = _new_temp_file(folder, ".tmp-", ".safetensors")
+    except OSError as e:  # a read-only folder or filesystem, no permission: the message names the destination
+        raise _cannot_create(path, folder, e, existed) from e
     written = 0
     try:
         with os.fdopen(fd, "wb") as f:
@@ -197,6 +200,17 @@ def write_table_file(
         raise
 
 
+def _cannot_create(path: str, folder: str, e: OSError, existed: bool) -> TableFileWriteError:
+    why = e.strerror or str(e)
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        advice = (f"{folder} is read-only ({why}): make it writable, or save into a folder that is (ComfyUI's "
+                  "extra_model_paths.yaml can add one)")
+    else:
+        advice = f"no new file can be made in {folder} ({why})"
+    before = "the file that was there is unchanged" if existed else "nothing was written"
+    return TableFileWriteError(e.errno or errno.EIO, f"{path}: cannot write the table file: {advice}; {before}")
+
+
 def _write_failed(path: str, e: OSError, written: int, total: int, existed: bool) -> TableFileWriteError:
     why = e.strerror or str(e)
     if e.errno == errno.ENOSPC:
@@ -206,6 +220,68 @@ def _write_failed(path: str, e: OSError, written: int, total: int, existed: bool
                                f"{total:,} bytes: {why}; the partial temporary file was removed and {before}")
 
 
+def map_room() -> tuple[int | None, str]:
+    """(bytes this process can still map copy-on-write, what sets that limit; None: no limit).
+
+    Readers map a whole table file privately (safetensors, and the host tier), and Linux charges such a
+    map like memory: with the default overcommit heuristic one map may not exceed the machine's memory
+    plus swap, with strict overcommit what is left of the commit limit; RLIMIT_AS and RLIMIT_DATA bound
+    it too. Whatever cannot be read counts as no limit."""
+    import resource
+
+    from .group import _gib, _meminfo
+
+    limits: list[tuple[int, str]] = []
+    info = _meminfo() or {}
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            mode = int(f.read().strip())
+    except (OSError, ValueError):
+        mode = None
+    if mode == 0 and "MemTotal" in info:
+        total = info["MemTotal"] + info.get("SwapTotal", 0)
+        limits.append((total, f"this machine has {_gib(info['MemTotal'])} of memory and {_gib(info.get('SwapTotal', 0))} of swap"))
+    elif mode == 2 and "CommitLimit" in info:
+        left = info["CommitLimit"] - info.get("Committed_AS", 0)
+        limits.append((left, f"this machine's commit limit leaves {_gib(max(left, 0))} (strict overcommit)"))
+    status: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1:] == ["kB"]}
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, used, name in ((resource.RLIMIT_AS, "VmSize", "address space"), (resource.RLIMIT_DATA, "VmData", "data size")):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY and used in status:
+            left = soft - status[used]
+            limits.append((left, f"this process's {name} limit leaves {_gib(max(left, 0))}"))
+    if not limits:
+        return None, "no limit"
+    return min(limits)
+
+
+def _declared_rows(path: str) -> str:
+    """The rows a file's header declares, in words, for an error message (empty when unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_METADATA_JSON_BYTES * 8:
+                return ""
+            header = json.loads(f.read(n))
+        rows = [int(v["shape"][0]) for k, v in header.items() if k.endswith(".rows") and isinstance(v, dict)]
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError, RecursionError):
+        return ""
+    return f"{sum(rows):,} rows in {len(rows)} layer(s), " if rows else ""
+
+
+def _too_big_to_map(path: str, size: int, why: str) -> TableFileError:
+    from .group import _gib
+
+    return TableFileError(f"{path}: the file declares {_declared_rows(path)}{size:,} bytes ({_gib(size)}), more than can be "
+                          f"mapped to read it: {why}. A memory file holds the rows its hashing addresses; this one is "
+                          "not a memory saved by this pack, or the machine is too small for it")
+
+
 class TableFile:
     """A validated, memory-mapped table file. Use as a context manager or call `close()`."""
 
@@ -213,11 +289,21 @@ class TableFile:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise TableFileError(f"{self.path}: no such table file")
+        # The whole file is mapped below: one whose size the machine cannot map is refused first, with the
+        # figures (a consistent sparse file may declare terabytes of rows in a few kilobytes on disk).
+        size = os.path.getsize(self.path)
+        room, why = map_room()
+        if room is not None and size > room:
+            raise _too_big_to_map(self.path, size, why)
         try:
             self._file = safe_open(self.path, framework="pt", device="cpu")
             self._handle = self._file.__enter__()
         except (SafetensorError, OSError, ValueError) as e:
             raise TableFileError(f"{self.path}: not a readable safetensors file ({e}); truncated or not a table file?") from e
+        except (MemoryError, RuntimeError) as e:  # the map itself refused (a limit map_room could not see)
+            if isinstance(e, RuntimeError) and "Cannot allocate memory" not in str(e):
+                raise
+            raise _too_big_to_map(self.path, size, f"mapping it failed ({e})") from e
         try:
             self._validate()
         except BaseException:
