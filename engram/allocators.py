@@ -4,7 +4,9 @@
   the group, and every rank maps all files back to back into ONE reserved virtual address range, so a
   fetch can gather every requested row with a single `index_select` over all shards (`unified`). Each
   creator unlinks its file as soon as every rank has mapped it: from then on nothing is left behind,
-  whichever process dies. One-rank groups use plain memory.
+  whichever process dies. Every file's pages are reserved (`posix_fallocate`) before any is mapped, and
+  the ranks agree on it: a /dev/shm without room is a SharedMemoryFullError with the figures on every
+  rank, never a SIGBUS at a later write. One-rank groups use plain memory.
 * CUDA (default, `cuda_ipc_allocator`): each rank allocates its shard from the CUDA driver and hands
   every peer a CUDA IPC handle of it through one all-gather of the group (any backend; EngramGroup uses
   a private gloo group, so ranks may share one GPU). Why not torch's symmetric memory, which the engine
@@ -23,6 +25,7 @@ group object itself (`group.allgather(...)`), so a group made without `init_proc
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
 import logging
 import mmap
@@ -137,6 +140,60 @@ def barrier(group: dist.ProcessGroup, device: torch.device, data_device: torch.d
 # ----- CPU: POSIX shared memory mapped into one range -----
 
 
+class SharedMemoryFullError(MemoryError):
+    """The shared-memory filesystem (/dev/shm) has no room for a segment the engram tables need; the
+    message gives the bytes asked and the bytes free there."""
+
+
+def _size_text(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def shm_space(folder: str = _SHM_DIR) -> tuple[int, int] | None:
+    """(bytes free, bytes in all) of the filesystem holding `folder`; None where it cannot be asked."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def shm_full_error(what: str, num_bytes: int, folder: str = _SHM_DIR, total_bytes: int | None = None) -> SharedMemoryFullError:
+    """The error for `what` needing `num_bytes` (of `total_bytes` asked in all) of shared memory in `folder`."""
+    space = shm_space(folder)
+    free = f"{_size_text(space[0])} of its {_size_text(space[1])} are free" if space else "its free space is unknown"
+    asked = f"{_size_text(num_bytes)} ({num_bytes:,} bytes)"
+    if total_bytes is not None and total_bytes != num_bytes:
+        asked += f", {_size_text(total_bytes)} in all"
+    return SharedMemoryFullError(
+        f"{what} needs {asked} of shared memory in {folder}, but {free}: free space there (files other programs "
+        f"left in {folder}), give the machine or container a larger {folder} (docker: --shm-size), or make the "
+        "tables smaller (fewer rows_per_head, heads or max_order, or fp8_e4m3fn)")
+
+
+def check_shm_room(what: str, num_bytes: int, folder: str = _SHM_DIR) -> None:
+    """Raise SharedMemoryFullError, with the figures, when `folder`'s filesystem has fewer than
+    `num_bytes` free (a check before anything is started; `reserve_segment` is what holds the pages)."""
+    space = shm_space(folder)
+    if space is not None and space[0] < num_bytes:
+        raise shm_full_error(what, num_bytes, folder)
+
+
+def reserve_segment(fd: int, num_bytes: int, what: str, folder: str = _SHM_DIR) -> None:
+    """Back every page of a new shared-memory file now, so that a full /dev/shm is this error here
+    rather than SIGBUS at the first write of a page that cannot be had (tmpfs allocates pages on
+    touch). Where the filesystem cannot reserve (no fallocate), its free space is checked instead."""
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise shm_full_error(what, num_bytes, folder) from e
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            check_shm_room(what, num_bytes, folder)
+            return
+        raise
+
+
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -177,9 +234,21 @@ def shared_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: to
     unlinked = False
     try:
         os.ftruncate(fd, num_bytes)
+        # Every rank backs its shard before any is used, and all agree: a full /dev/shm fails the start on
+        # every rank with the figures instead of a SIGBUS at some later write.
+        try:
+            reserve_segment(fd, num_bytes, f"the engram shard of CPU rank {rank} of {num_ranks}")
+            failure = None
+        except SharedMemoryFullError as e:
+            failure = str(e)
         os.close(fd)
         fd = -1
-        names = all_gather_object(group, name, cpu)
+        gathered = all_gather_object(group, (name, failure), cpu)
+        failed = [(r, text) for r, (_, text) in enumerate(gathered) if text]
+        if failed:
+            raise SharedMemoryFullError(f"{num_ranks} CPU ranks x {_size_text(num_bytes)} of engram shards do not fit in "
+                                        f"{_SHM_DIR}: {failed[0][1]}")
+        names = [n for n, _ in gathered]
         # Reserve one range for all shards, then map each shard file over its slot. The Python mmap object
         # owns the range: when the last tensor view dies it unmaps everything at once.
         region = mmap.mmap(-1, num_ranks * num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, prot=_PROT_RW)

@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 
 from . import ue8m0
+from .allocators import SharedMemoryFullError, check_shm_room
 from .buffer import LocalEngramBuffer
-from .store import check_fetch_indices, check_layer, check_rows, check_table_geometry, check_values, decode_rows, encode_rows, last_occurrence
+from .store import check_fetch_indices, check_layer, check_rows, check_table_geometry, check_values, decode_checked, encode_rows, last_occurrence
 from .worker import gloo_group
 
 logger = logging.getLogger(__name__)
@@ -484,10 +485,13 @@ class EngramGroup:
         self.timeout = float(timeout)
         if device == "cpu":
             check_cpu_memory(num_ranks, self.table_bytes(self.rows_per_layer, hidden, table_dtype))
+            if num_ranks > 1:  # the shards are /dev/shm files: refused before any worker starts when it has no room
+                check_shm_room(f"{num_ranks} CPU ranks' engram shards", self.table_bytes(self.rows_per_layer, hidden, table_dtype))
         self._workers: list[_Worker] = []
         self._templates: list[_Template] = []
         self._failure: EngramWorkerError | None = None
         self.last_load_ranges: dict[int, list[list[int]]] = {}
+        self.source: str | None = None  # the table file last loaded
         self._closed = False
         self.buffer: LocalEngramBuffer | None = None
         self._holder: list[LocalEngramBuffer] = []
@@ -623,7 +627,8 @@ class EngramGroup:
             thread.join(_POLL_S)
         status, value = box[0]
         if status == "error":
-            self._check_workers(what)
+            if not isinstance(value, SharedMemoryFullError):  # every rank failed alike: the figures, not "a worker died"
+                self._check_workers(what)
             raise value
         return value
 
@@ -725,15 +730,16 @@ class EngramGroup:
         _, tokens, entries = indices.shape
         out = []
         for layer in range(self.num_layers):
-            data, sf = buffer.read_global_rows(layer, indices[layer].reshape(-1))
-            out.append(decode_rows(data, sf).view(tokens, entries, self.hidden))
+            ids = indices[layer].reshape(-1)
+            data, sf = buffer.read_global_rows(layer, ids)
+            out.append(decode_checked(data, sf, ids, layer, self.source).view(tokens, entries, self.hidden))
         return out
 
     def read_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         buffer = self._ready("read rows")
         layer = check_layer(layer, self.num_layers)
         rows = check_rows(rows, self.rows_per_layer[layer], layer)
-        return decode_rows(*buffer.read_global_rows(layer, rows))
+        return decode_checked(*buffer.read_global_rows(layer, rows), rows, layer, self.source)
 
     def write_rows(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         buffer = self._ready("write rows")
@@ -774,6 +780,7 @@ class EngramGroup:
         self.last_load_ranges = {0: load_own_rows(buffer, 0, path)}
         for worker, ranges in zip(self._workers, self._command(("load", path), f"load {path}")):
             self.last_load_ranges[worker.rank] = ranges
+        self.source = path  # named when its rows are not finite
         return metadata
 
     @classmethod

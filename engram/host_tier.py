@@ -8,7 +8,9 @@ A `HostTable` holds every layer's rows (and FP8 scales) in host memory that othe
   in one process or in several, cost its size once. A write copies only the pages it touches into the
   writing process; the file itself never changes (saves write a new file and rename it into place).
 * for a new memory: a shared-memory segment in /dev/shm (unlinked once mapped, so nothing outlives the
-  process), zero until written; only written pages take memory.
+  process), zero until written. Its pages are reserved when it is made (`posix_fallocate`), so the
+  whole table takes memory at once and a /dev/shm without room for it is a SharedMemoryFullError with
+  the figures then, never a SIGBUS at a later write.
 
 Writes and fetches may run at once (Memorize or Train while a prefetch thread looks up a prompt): a
 sequence lock makes every fetch see the table before or after a write, never a torn row nor a row
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 
 from . import ue8m0
+from .allocators import reserve_segment
 from .table_file import TableFileError
 from .store import (
     check_buffer_indices,
@@ -53,7 +56,7 @@ from .store import (
     check_rows,
     check_table_geometry,
     check_values,
-    decode_rows,
+    decode_checked,
     encode_rows,
     last_occurrence,
 )
@@ -323,6 +326,8 @@ def _segment(size: int) -> torch.Tensor:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
+        # Backed now: a full /dev/shm is a SharedMemoryFullError here, not SIGBUS at the first write.
+        reserve_segment(fd, size, "a host-memory table (shared-memory segment)", _SHM_DIR)
         return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     finally:
         os.close(fd)
@@ -548,13 +553,15 @@ class HostRowStore:
         _, tokens, entries = indices.shape
         ids = indices.cpu()
         raw = table.read(lambda: [self._gather(table, layer, ids[layer].reshape(-1)) for layer in range(self.num_layers)])
-        return [decode_rows(data, sf).view(tokens, entries, self.hidden) for data, sf in raw]
+        # A mapped file overwritten in place with its timestamp put back passes check_source: its rows must still be finite.
+        return [decode_checked(data, sf, ids[layer], layer, table.source).view(tokens, entries, self.hidden)
+                for layer, (data, sf) in enumerate(raw)]
 
     def read_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         table = self.table
         layer = check_layer(layer, self.num_layers)
         rows = check_rows(rows, self.rows_per_layer[layer], layer).cpu()
-        return decode_rows(*table.read(lambda: self._gather(table, layer, rows)))
+        return decode_checked(*table.read(lambda: self._gather(table, layer, rows)), rows, layer, table.source)
 
     def write_rows(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         table = self.table

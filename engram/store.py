@@ -11,6 +11,7 @@ written rows with fresh scales.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -124,6 +125,39 @@ def check_values(values: torch.Tensor, k: int, hidden: int, layer: int) -> torch
     return values
 
 
+def check_rows_finite(rows: torch.Tensor, ids: torch.Tensor, layer: int, source: str | None) -> torch.Tensor:
+    """Raise, naming the table file (`source`), when decoded rows `[k, hidden]` (or `[..., hidden]`) of a
+    layer hold NaN or inf; returns `rows`. Rows are written finite (check_values), so such a value comes
+    from a file: damaged, or overwritten in place after it was loaded or mapped. One sum over what a
+    fetch returns (a prompt's few rows) decides in the usual case; only a non-finite sum looks closer
+    (finite rows whose sum overflows pass)."""
+    if rows.numel() == 0 or bool(torch.isfinite(rows.sum())):
+        return rows
+    bad = ~torch.isfinite(rows.reshape(-1, rows.shape[-1])).all(dim=1)
+    if not bool(bad.any()):
+        return rows
+    bad_ids = ids.reshape(-1)[bad.to(ids.device)][:5].tolist() if ids.numel() == bad.numel() else []
+    rows_text = f" (row ids {', '.join(map(str, bad_ids))}{', ...' if int(bad.sum()) > len(bad_ids) else ''})" if bad_ids else ""
+    what = (f"{int(bad.sum())} of the {bad.numel()} rows of layer {layer} this lookup fetched{rows_text} hold NaN or "
+            "infinite values")
+    if source is None:
+        raise ValueError(f"the engram memory's tables: {what}")
+    from .table_file import TableFileError
+
+    raise TableFileError(f"{source}: {what}: the memory file is damaged, or was overwritten after it was loaded. "
+                         "Load a good copy of the memory (or save it again from one); a changed file is reloaded on the "
+                         "next prompt only when its modification time changed")
+
+
+def decode_checked(data: torch.Tensor, sf: torch.Tensor | None, ids: torch.Tensor, layer: int, source: str | None) -> torch.Tensor:
+    """`decode_rows` of fetched rows, refused by `check_rows_finite` when they hold NaN or inf (BF16 rows
+    are checked as stored, half the bytes of the float32 they decode to; FP8 rows with their scales)."""
+    if sf is None:
+        check_rows_finite(data, ids, layer, source)
+        return decode_rows(data, sf)
+    return check_rows_finite(decode_rows(data, sf), ids, layer, source)
+
+
 def last_occurrence(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop repeated row ids, keeping the last value written for each (deterministic scatter)."""
     unique, inverse = torch.unique(rows, return_inverse=True)
@@ -183,6 +217,7 @@ class LocalRowStore:
         if table_dtype == torch.float8_e4m3fn:
             _, zero_sf = ue8m0.quantize_rows(torch.zeros((1, hidden)))
             self.scales = [zero_sf.to(self.device).expand(n, -1).contiguous() for n in self.rows_per_layer]
+        self.source: str | None = None  # the table file last loaded (named when its rows are not finite)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -204,7 +239,7 @@ class LocalRowStore:
             valid = (ids >= 0) & (ids < num_rows)
             safe = torch.where(valid, ids, 0)
             sf = self.scales[layer].index_select(0, safe) if self.scales is not None else None
-            rows = decode_rows(_select(self.tables[layer], safe), sf)
+            rows = decode_checked(_select(self.tables[layer], safe), sf, ids, layer, self.source)
             rows = rows.masked_fill_(~valid.unsqueeze(1), 0.0)
             out.append(rows.view(tokens, entries, self.hidden))
         return out
@@ -214,7 +249,7 @@ class LocalRowStore:
         layer = check_layer(layer, self.num_layers)
         rows = check_rows(rows, self.rows_per_layer[layer], layer).to(self.device)
         sf = self.scales[layer].index_select(0, rows) if self.scales is not None else None
-        return decode_rows(_select(self.tables[layer], rows), sf)
+        return decode_checked(_select(self.tables[layer], rows), sf, rows, layer, self.source)
 
     def write_rows(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         self._check_open()
@@ -261,6 +296,7 @@ class LocalRowStore:
                 self.tables[layer].copy_(data)
                 if self.scales is not None:
                     self.scales[layer].copy_(sf)
+            self.source = os.path.abspath(path)
             return f.metadata
 
     @classmethod

@@ -94,3 +94,69 @@ def test_host_memory_encodes_like_a_device_memory_and_loads_back_mapped(comfy):
     summary = history["outputs"]["51"]["text"][0]
     assert "placement: host" in summary and "host_round_trip.safetensors" in summary and "mapped" in summary
     assert history["outputs"]["51"]["worker_pids"] == []
+
+
+# ----- a memory file overwritten in place with NaN rows (issue 27, finding 8) -----
+
+def _nan_rows_copy(path, out) -> None:
+    """`path` with every table row's bytes NaN (FP8 0x7F, BF16 0x7FC0): same size, same header."""
+    import struct
+
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    for key, value in header.items():
+        if key.endswith(".rows"):
+            start, end = (8 + n + o for o in value["data_offsets"])
+            fill = b"\x7f" if value["dtype"] == "F8_E4M3" else b"\xc0\x7f"
+            raw[start:end] = fill * ((end - start) // len(fill))
+    out.write_bytes(bytes(raw))
+
+
+def _error_text(comfy, graph: dict) -> str:
+    from comfyhost import WorkflowError
+
+    with pytest.raises(WorkflowError) as info:
+        comfy.run(graph)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_memory_file_overwritten_with_nan_rows_is_an_error_naming_the_file(comfy, models_dir, tmp_path, placement):
+    """`cp -p nan.safetensors memory.safetensors` (same size, timestamp put back) under a loaded memory:
+    the next prompt is an error naming the file, not NaN conditioning; with a new timestamp the reload
+    is refused alike. Host placement maps the file (it reads the new bytes); device placement read it
+    at load (it keeps serving what it read until the file's timestamp says it changed)."""
+    import os
+    import shutil
+
+    name = f"nan_target_{placement}"
+    comfy.run({"2": clip(), "30": new_memory("host"), "31": memorize(["30", 0]),
+               "50": {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["31", 0], "name": name}}})
+    path = models_dir / "engram" / f"{name}.safetensors"
+
+    def load_and_encode(text: str) -> dict:
+        return {"2": clip(), "64": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": text}},
+                "51": {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {
+                    "memory_name": path.name, "devices": "cpu", "cpu_ranks": 1, "placement": placement}},
+                "52": encode(["51", 0], text), "55": similarity(["52", 0], ["64", 0])}
+
+    history = comfy.run(load_and_encode(PROMPT))
+    assert identical(history, "55") is False  # the memory answers before the file is touched
+
+    _nan_rows_copy(path, tmp_path / "nan.safetensors")
+    st = os.stat(path)
+    shutil.copyfile(tmp_path / "nan.safetensors", path)  # cp -p: the same file truncated and rewritten ...
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # ... and its times put back
+    later = f"{PHRASE} under a lamp"  # a new prompt text, so the encode runs again on the live memory
+    if placement == "host":
+        message = _error_text(comfy, load_and_encode(later))
+        assert str(path) in message and "NaN" in message, message
+    else:  # what was read at load is served, and it is finite
+        history = comfy.run(load_and_encode(later))
+        assert identical(history, "55") is False
+
+    os.utime(path)  # a new timestamp: Load Engram Memory loads the file again
+    message = _error_text(comfy, load_and_encode(f"{PHRASE} in the rain"))
+    assert str(path) in message and "NaN" in message, message
+    path.unlink()
