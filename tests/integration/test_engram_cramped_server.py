@@ -71,7 +71,7 @@ def alive(server) -> bool:
 @pytest.mark.parametrize("placement, ranks", [("host", 1), ("device", 2)], ids=["host_segment", "cpu_rank_shards"])
 def test_tables_that_do_not_fit_in_dev_shm_are_a_named_error_and_the_server_keeps_serving(cramped, placement, ranks):
     client = cramped.client()
-    message = error_of(client, graph(rows_per_head=20011, placement=placement, ranks=ranks))  # about 250 MiB of tables
+    message = error_of(client, graph(rows_per_head=40009, placement=placement, ranks=ranks))  # about 500 MiB of tables, 5 MiB of FP8 scales
     assert alive(cramped), f"the server died (exit {cramped.process.returncode}; 135 / -7: SIGBUS):\n{cramped.log_tail()}"
     assert "NewEngramMemory" in message and "SharedMemoryFullError" in message, message
     assert "shared memory in /dev/shm" in message and "are free" in message and "MiB" in message, message
