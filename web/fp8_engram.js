@@ -11,7 +11,9 @@
 // The panel stays inside its node: text wraps at the node's width, the node grows to the panel's
 // height (up to MAX_PANEL_HEIGHT), and a longer panel scrolls inside the node. Text reports longer
 // than MAX_TEXT_LINES are folded to their first lines (lines with hits first, for Engram Inspect);
-// the whole report stays in the node's text output.
+// the whole report stays in the node's text output. With Nodes 2.0 (the frontend's DOM nodes, setting
+// Comfy.VueNodes.Enabled) a node is an element that grows to its content, so there the panel itself is
+// held above the nearest node below it and scrolls past that.
 import { app } from "../../scripts/app.js";
 
 const NODE_PREFIX = "FP8Engram.";
@@ -141,6 +143,36 @@ function room(node) {
   return { down, right };
 }
 
+function nodes2() {
+  return app.extensionManager?.setting?.get?.("Comfy.VueNodes.Enabled") === true;
+}
+
+// Nodes 2.0: the node's element takes the panel's whole height, whatever size the node is given, so
+// cap the panel where the node would reach a node below it (page pixels back to graph units).
+// The cap is a CSS variable that only a Nodes 2.0 node applies (STYLE), so a panel capped there is
+// whole again when the user switches back to the classic nodes.
+const STYLE = ".lg-node .fp8-engram-holder { max-height: var(--fp8-engram-max-height, none); }";
+
+function holdPanel(node, widget) {
+  const holder = widget.fp8Holder;
+  holder.style.removeProperty("--fp8-engram-max-height");
+  const own = nodes2() && document.querySelector(`.lg-node[data-node-id="${node.id}"]`);
+  if (!own) return;
+  const scale = app.canvas?.ds?.scale || 1;
+  const box = own.getBoundingClientRect();
+  const panel = holder.getBoundingClientRect();
+  let below = Infinity;
+  for (const other of document.querySelectorAll(".lg-node[data-node-id]")) {
+    if (other === own) continue;
+    const o = other.getBoundingClientRect();
+    if (o.left < box.right && o.right > box.left && o.top >= panel.top) below = Math.min(below, o.top);
+  }
+  if (below === Infinity) return;
+  const underPanel = box.bottom - panel.bottom; // what the node draws below the panel
+  const room = (below - GAP * scale - underPanel - panel.top) / scale;
+  holder.style.setProperty("--fp8-engram-max-height", `${Math.max(TIGHT_PANEL_HEIGHT, Math.floor(room))}px`);
+}
+
 // Size the node to its panel: wider to MIN_PANEL_WIDTH and taller to the panel's whole height, but
 // never over a neighbour below or to the right (the panel then scrolls) and never smaller than the
 // user made it. Measured after the frontend has laid the panel out at the node's width.
@@ -160,6 +192,7 @@ function fitNode(node, widget) {
       const height = Math.max(node.size[1], Math.min(others + full, Math.max(others + widget.fp8Min, down)));
       node.setSize?.([node.size[0], height]);
       node.setDirtyCanvas?.(true, true);
+      holdPanel(node, widget);
     }),
   );
 }
@@ -188,6 +221,10 @@ function showPanel(node, message) {
 
 app.registerExtension({
   name: "fp8_engram.core",
+
+  setup() {
+    document.head.append(el("style", "", STYLE));
+  },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!nodeData?.name?.startsWith(NODE_PREFIX)) return;
