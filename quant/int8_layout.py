@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import QuantizationError
+from .layouts import QuantizationError, tracing
 
 __all__ = ["Int8", "hadamard", "check_block", "hadamard_bytes", "rotate", "unrotate", "INT8_MAX", "int8_scale"]
 
@@ -60,7 +60,7 @@ def hadamard(size: int, regular: bool = False, device=None) -> torch.Tensor:
     """Normalized symmetric Hadamard matrix ``[size, size]`` (float32), cached per device."""
     device = torch.device("cpu" if device is None else device)
     key = (size, regular, device)
-    h = _hadamards.get(key)
+    h = None if tracing() else _hadamards.get(key)  # a cached real tensor cannot enter a compile's fake trace
     if h is None:
         check_block(size, regular)
         seed = torch.tensor(_H4 if regular else ((1, 1), (1, -1)), dtype=torch.float32)
@@ -68,7 +68,8 @@ def hadamard(size: int, regular: bool = False, device=None) -> torch.Tensor:
         while h.shape[0] < size:
             h = torch.kron(h, seed)
         h = (h / (size ** 0.5)).to(device)
-        _hadamards[key] = h
+        if not tracing():
+            _hadamards[key] = h
     return h
 
 

@@ -8,7 +8,9 @@ dequantization fused into the matmul's input) sum and round in another order tha
 float32 rounding per op; the pack's own FP8 math gives the eager bits under compile
 (tests/unit/test_compile.py covers every layout). One format only: the first compile of the model takes
 minutes on a 2-core machine. The server log must say that torch.compile traced the pack's FP8 linears,
-so the test cannot pass with the node silently doing nothing.
+so the test cannot pass with the node silently doing nothing. It runs on the weight-only path (what the
+CPU takes without VNNI/AMX) and on the int8 path (what it takes with them, where the rotation's cached
+Hadamard matrix once broke the trace: "convert all Tensors to FakeTensors first").
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.integration
 
-MIN_SQNR_DB = 60.0
+# weight-only: float32 rounding order only. int8 (what "auto" takes on a CPU with VNNI/AMX): the activation
+# is quantized per token, and where inductor's float32 differs by a rounding a value can land on the next
+# int8 step (measured: 50.2 dB).
+MIN_SQNR_DB = {"weight-only": 60.0, "int8": 40.0}
 TRACED = "torch.compile is tracing FP8 linears"
 _counter = itertools.count()
 
@@ -45,10 +50,11 @@ def fp8_models(models_dir):
     return names
 
 
+@pytest.mark.parametrize("compute_path", ["weight-only", "int8"])
 @pytest.mark.parametrize("fmt", ["comfy_quant_metadata"])
-def test_torch_compile_model_after_fp8_loader(comfy, comfy_server, output_dir, fp8_models, fmt):
-    plain = sd3_txt2img(model=fp8_loader(fp8_models[fmt]), save="latent", prefix=f"compile{next(_counter)}")
-    compiled = sd3_txt2img(model=fp8_loader(fp8_models[fmt]), save="latent", prefix=f"compile{next(_counter)}")
+def test_torch_compile_model_after_fp8_loader(comfy, comfy_server, output_dir, fp8_models, fmt, compute_path):
+    plain = sd3_txt2img(model=fp8_loader(fp8_models[fmt], compute_path), save="latent", prefix=f"compile{next(_counter)}")
+    compiled = sd3_txt2img(model=fp8_loader(fp8_models[fmt], compute_path), save="latent", prefix=f"compile{next(_counter)}")
     compiled["11"] = {"class_type": "TorchCompileModel", "inputs": {"model": ["1", 0], "backend": "inductor"}}
     compiled["6"]["inputs"]["model"] = ["11", 0]
 
@@ -57,5 +63,5 @@ def test_torch_compile_model_after_fp8_loader(comfy, comfy_server, output_dir, f
     assert out.shape == eager.shape and bool(torch.isfinite(out).all())
     q = sqnr(eager, out)
     print(f"{fmt}: compiled vs uncompiled latent SQNR {q:.1f} dB")
-    assert q >= MIN_SQNR_DB
+    assert q >= MIN_SQNR_DB[compute_path]
     assert TRACED in comfy_server.log_tail(100000)
