@@ -27,7 +27,8 @@ PROJ = "joint_blocks.0.x_block.attn.proj"  # a [128, 128] linear of the tiny SD3
 
 
 def load_and_report(name: str) -> dict:
-    return {"1": fp8_loader(name), "2": {"class_type": "FP8Engram.WeightReport", "inputs": {"model": ["1", 0]}}}
+    # weight-only: under "auto" a CPU with VNNI/AMX converts the weights to int8 at load, and the report shows int8
+    return {"1": fp8_loader(name, "weight-only"), "2": {"class_type": "FP8Engram.WeightReport", "inputs": {"model": ["1", 0]}}}
 
 
 def error_text(comfy, graph) -> str:
