@@ -16,13 +16,13 @@ from pathlib import Path
 
 
 def namespace_unavailable() -> str | None:
-    """Why a server cannot get a mount namespace with its own tmpfs here (None: it can)."""
+    """Why a process (a server, a test's child) cannot get a mount namespace with its own tmpfs here (None: it can)."""
     if shutil.which("unshare") is None:
-        return "needs util-linux's unshare to give the server a small /dev/shm of its own"
+        return "needs util-linux's unshare to give a process a small /dev/shm of its own"
     probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
                            capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
-        return f"needs a mount namespace (root or CAP_SYS_ADMIN) for a server with a small /dev/shm: {probe.stderr.strip()}"
+        return f"needs a mount namespace (root or CAP_SYS_ADMIN) to give a process a small /dev/shm: {probe.stderr.strip()}"
     return None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.engram_tables import nan_rows_copy
 
 pytestmark = pytest.mark.integration
 
@@ -98,20 +99,6 @@ def test_host_memory_encodes_like_a_device_memory_and_loads_back_mapped(comfy):
 
 # ----- a memory file overwritten in place with NaN rows (issue 27, finding 8) -----
 
-def _nan_rows_copy(path, out) -> None:
-    """`path` with every table row's bytes NaN (FP8 0x7F, BF16 0x7FC0): same size, same header."""
-    import struct
-
-    raw = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    for key, value in header.items():
-        if key.endswith(".rows"):
-            start, end = (8 + n + o for o in value["data_offsets"])
-            fill = b"\x7f" if value["dtype"] == "F8_E4M3" else b"\xc0\x7f"
-            raw[start:end] = fill * ((end - start) // len(fill))
-    out.write_bytes(bytes(raw))
-
 
 def _error_text(comfy, graph: dict) -> str:
     from comfyhost import WorkflowError
@@ -144,7 +131,7 @@ def test_memory_file_overwritten_with_nan_rows_is_an_error_naming_the_file(comfy
     history = comfy.run(load_and_encode(PROMPT))
     assert identical(history, "55") is False  # the memory answers before the file is touched
 
-    _nan_rows_copy(path, tmp_path / "nan.safetensors")
+    nan_rows_copy(path, tmp_path / "nan.safetensors")
     st = os.stat(path)
     shutil.copyfile(tmp_path / "nan.safetensors", path)  # cp -p: the same file truncated and rewritten ...
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # ... and its times put back

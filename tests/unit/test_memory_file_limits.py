@@ -32,6 +32,8 @@ from fp8_engram.engram.host_tier import HostRowStore
 from fp8_engram.engram.store import LocalRowStore
 from fp8_engram.engram.table_file import TableFileError, rows_key, write_table_file
 from helpers import fuzz_files as fz
+from helpers.cramped_server import namespace_unavailable
+from helpers.engram_tables import nan_rows_copy
 
 pytestmark = pytest.mark.unit
 
@@ -153,21 +155,10 @@ def test_a_memory_file_that_fits_still_loads(tmp_path):
 # ----- a full /dev/shm (finding 6) -----
 
 
-def _mount_namespace_reason() -> str | None:
-    """Why a child cannot get a mount namespace with its own tmpfs here (None: it can)."""
-    if shutil.which("unshare") is None:
-        return "needs util-linux's unshare"
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:
-        return f"needs a mount namespace (root or CAP_SYS_ADMIN) to give a child an 8 MiB /dev/shm: {probe.stderr.strip()}"
-    return None
-
-
 def run_with_small_shm(code: str, shm: str = "8m", timeout: float = 240) -> subprocess.CompletedProcess:
     """Run python `code` with this checkout importable as fp8_engram, in a mount namespace whose /dev/shm
     is a tmpfs of `shm` (the host's /dev/shm is untouched)."""
-    reason = _mount_namespace_reason()
+    reason = namespace_unavailable()
     if reason is not None:
         pytest.skip(reason)
     script = f"import sys\nsys.path[:0] = [{str(ROOT / '.host' / 'pkg')!r}]\n" + textwrap.dedent(code)
@@ -246,18 +237,6 @@ def test_cpu_rank_shards_that_race_past_the_up_front_check_fail_on_every_rank_wi
 # ----- non-finite rows in a memory file (finding 8) -----
 
 
-def _nan_copy(path: Path, out: Path) -> None:
-    """`path` with every table row's bytes made NaN (BF16 0x7FC0, FP8 0x7F), same size and header."""
-    raw = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    for key, value in header.items():
-        if key.endswith(".rows"):
-            start, end = (8 + n + o for o in value["data_offsets"])
-            raw[start:end] = (b"\x7f" if value["dtype"] == "F8_E4M3" else b"\xc0\x7f") * ((end - start) // (1 if value["dtype"] == "F8_E4M3" else 2))
-    out.write_bytes(bytes(raw))
-
-
 def overwrite_keeping_the_timestamp(path: Path, new: Path) -> None:
     """What `cp -p new path` does: truncate and rewrite the same file (same inode), then put the times back."""
     st = os.stat(path)
@@ -299,7 +278,7 @@ def test_host_memory_file_overwritten_in_place_with_nan_rows_is_an_error_naming_
     ids = _indices(rows)
     good = store.fetch_rows(ids)
     assert all(bool(torch.isfinite(t).all()) for t in good)
-    _nan_copy(path, tmp_path / "nan.safetensors")
+    nan_rows_copy(path, tmp_path / "nan.safetensors")
     overwrite_keeping_the_timestamp(path, tmp_path / "nan.safetensors")
     store.table.check_source()  # same size, same timestamp: the file looks unchanged
     with pytest.raises(Exception) as info:
@@ -319,7 +298,7 @@ def test_device_memory_reloaded_from_a_nan_file_is_an_error_naming_the_file(tmp_
         store.load_table_file(str(path))
         ids = _indices(rows)
         assert all(bool(torch.isfinite(t).all()) for t in store.fetch_rows(ids))
-        _nan_copy(path, tmp_path / "nan.safetensors")
+        nan_rows_copy(path, tmp_path / "nan.safetensors")
         shutil.copyfile(tmp_path / "nan.safetensors", path)  # a new timestamp: Load Engram Memory reloads it
         store.load_table_file(str(path))
         with pytest.raises(Exception) as info:
@@ -363,7 +342,7 @@ def test_saving_into_a_read_only_folder_names_the_destination_and_what_to_do(tmp
         except OSError as e:
             print("BARE", type(e).__name__, e, flush=True)
     """
-    reason = _mount_namespace_reason()
+    reason = namespace_unavailable()
     if reason is not None:
         pytest.skip(reason)
     script = f"import sys\nsys.path[:0] = [{str(ROOT / '.host' / 'pkg')!r}]\n" + textwrap.dedent(code)
