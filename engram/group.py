@@ -49,6 +49,7 @@ import torch.distributed as dist
 from . import ue8m0
 from .allocators import SharedMemoryFullError, check_shm_room
 from .buffer import LocalEngramBuffer
+from .sysinfo import gib_text, kib_fields
 from .store import check_fetch_indices, check_layer, check_rows, check_table_geometry, check_values, decode_checked, encode_rows, last_occurrence
 from .worker import gloo_group
 
@@ -319,15 +320,10 @@ MEMORY_RESERVE_MIN_BYTES = 1 << 30
 
 
 def _meminfo() -> dict[str, int] | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1:] == ["kB"]}
-    except (OSError, ValueError, IndexError):
-        return None
+    return kib_fields("/proc/meminfo")
 
 
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+_gib = gib_text
 
 
 def cpu_group_cost(num_ranks: int, table_bytes: int, template_up: bool | None = None) -> int:

@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import ue8m0
+from .sysinfo import gib_text, kib_fields
 
 FORMAT_NAME = "fp8-engram-table"
 FORMAT_VERSION = "1"
@@ -229,10 +230,8 @@ def map_room() -> tuple[int | None, str]:
     it too. Whatever cannot be read counts as no limit."""
     import resource
 
-    from .group import _gib, _meminfo
-
     limits: list[tuple[int, str]] = []
-    info = _meminfo() or {}
+    info = kib_fields("/proc/meminfo") or {}
     try:
         with open("/proc/sys/vm/overcommit_memory") as f:
             mode = int(f.read().strip())
@@ -240,21 +239,16 @@ def map_room() -> tuple[int | None, str]:
         mode = None
     if mode == 0 and "MemTotal" in info:
         total = info["MemTotal"] + info.get("SwapTotal", 0)
-        limits.append((total, f"this machine has {_gib(info['MemTotal'])} of memory and {_gib(info.get('SwapTotal', 0))} of swap"))
+        limits.append((total, f"this machine has {gib_text(info['MemTotal'])} of memory and {gib_text(info.get('SwapTotal', 0))} of swap"))
     elif mode == 2 and "CommitLimit" in info:
         left = info["CommitLimit"] - info.get("Committed_AS", 0)
-        limits.append((left, f"this machine's commit limit leaves {_gib(max(left, 0))} (strict overcommit)"))
-    status: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as f:
-            status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1:] == ["kB"]}
-    except (OSError, ValueError, IndexError):
-        pass
+        limits.append((left, f"this machine's commit limit leaves {gib_text(max(left, 0))} (strict overcommit)"))
+    status = kib_fields("/proc/self/status") or {}
     for limit, used, name in ((resource.RLIMIT_AS, "VmSize", "address space"), (resource.RLIMIT_DATA, "VmData", "data size")):
         soft = resource.getrlimit(limit)[0]
         if soft != resource.RLIM_INFINITY and used in status:
             left = soft - status[used]
-            limits.append((left, f"this process's {name} limit leaves {_gib(max(left, 0))}"))
+            limits.append((left, f"this process's {name} limit leaves {gib_text(max(left, 0))}"))
     if not limits:
         return None, "no limit"
     return min(limits)
@@ -275,9 +269,7 @@ def _declared_rows(path: str) -> str:
 
 
 def _too_big_to_map(path: str, size: int, why: str) -> TableFileError:
-    from .group import _gib
-
-    return TableFileError(f"{path}: the file declares {_declared_rows(path)}{size:,} bytes ({_gib(size)}), more than can be "
+    return TableFileError(f"{path}: the file declares {_declared_rows(path)}{size:,} bytes ({gib_text(size)}), more than can be "
                           f"mapped to read it: {why}. A memory file holds the rows its hashing addresses; this one is "
                           "not a memory saved by this pack, or the machine is too small for it")
 
