@@ -6,9 +6,11 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 import torch
 
+from fp8_engram.engram import group as group_module
 from fp8_engram.engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES, EngramGroup, EngramWorkerError, NotEnoughMemoryError, check_cpu_memory
 
 GIB = 1 << 30
@@ -40,9 +42,37 @@ def test_tables_alone_too_big_ask_for_smaller_tables():
         check_cpu_memory(1, 100 * GIB, meminfo(8.0))
 
 
-def test_group_refuses_before_starting_a_worker():
+def live_descendants() -> set[int]:
+    """Pids of this process's descendants that still run (the worker template and workers forked from it)."""
+    out = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                out.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_group_refuses_before_starting_a_worker(monkeypatch):
+    started = []
+    real_start, real_acquire = EngramGroup._start, group_module._acquire_template
+
+    def start(self, *args, **kwargs):  # what starts the template and the workers
+        started.append("workers")
+        return real_start(self, *args, **kwargs)
+
+    def acquire():
+        started.append("template")
+        return real_acquire()
+
+    monkeypatch.setattr(EngramGroup, "_start", start)
+    monkeypatch.setattr(group_module, "_acquire_template", acquire)
+    before = live_descendants()
     with pytest.raises(NotEnoughMemoryError):
         EngramGroup([1 << 30], 4096, torch.bfloat16, num_ranks=4, device="cpu")  # 8 TiB
+    assert started == [], f"the group started {started} before refusing"
+    assert live_descendants() <= before, "a process was started (and is still running)"
 
 
 def test_stopped_worker_is_reported_frozen_within_seconds(tmp_path):
