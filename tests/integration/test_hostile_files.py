@@ -8,6 +8,8 @@ leave the output folder, and Save Engram Memory refuses names that are not plain
 
 from __future__ import annotations
 
+import glob
+import os
 import random
 
 import pytest
@@ -31,6 +33,18 @@ def error_text(comfy, graph) -> str:
     with pytest.raises(Exception) as info:
         comfy.run(graph)
     return str(info.value)
+
+
+def files_at(name: str) -> dict[str, tuple[int, int]]:
+    """{path: (size, mtime in ns)} of the files at an absolute `name` and beside it under names that begin
+    with it (a save adds a counter and an extension); empty for a relative name, which points nowhere by itself."""
+    if not os.path.isabs(name):
+        return {}
+    out = {}
+    for path in glob.glob(glob.escape(name) + "*"):
+        st = os.lstat(path)
+        out[path] = (st.st_size, st.st_mtime_ns)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +119,11 @@ def test_hostile_table_files_give_node_errors(comfy, models_dir):
 def test_save_fp8_model_refuses_prefixes_that_leave_the_output_folder(comfy, output_dir, prefix):
     graph = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": TINY_UNET, "weight_dtype": "default"}},
              "21": {"class_type": "FP8Engram.SaveFP8Model", "inputs": {"model": ["1", 0], "filename_prefix": prefix}}}
+    before = files_at(prefix)
     text = error_text(comfy, graph)
     assert "Save FP8 Model: filename_prefix" in text and "inside the output folder" in text, text
     assert not list(output_dir.parent.glob("escaped*")) and not list(output_dir.parent.parent.glob("escaped*"))
+    assert files_at(prefix) == before, f"something was written where the absolute prefix {prefix!r} points"
 
 
 @pytest.mark.parametrize("name", ["../escaped", "/tmp/escaped", "sub/name", ".."])
@@ -115,6 +131,8 @@ def test_save_engram_memory_refuses_names_with_folders(comfy, models_dir, name):
     clip = {"class_type": "CLIPLoader", "inputs": {"clip_name": TINY_CLIP_L, "type": "sd3"}}
     graph = {"2": clip, "31": new_memory(),
              "50": {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["31", 0], "name": name}}}
+    before = files_at(name)
     text = error_text(comfy, graph)
     assert "must be a plain file name" in text, text
     assert not (models_dir / "escaped.safetensors").exists()
+    assert files_at(name) == before, f"something was written where the absolute name {name!r} points"
