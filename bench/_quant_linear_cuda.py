@@ -15,7 +15,9 @@ from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedT
 from fp8_engram.quant.kernels import weight_only_gemm
 from fp8_engram.quant.quantize_model import sqnr_db
 
-lin = importlib.import_module("fp8_engram.quant.linear")
+lin = importlib.import_module("fp8_engram.quant.compute.linear")
+
+sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
 
 SHAPES = [  # (name, tokens, in, out)
     ("flux-qkv", 4608, 3072, 9216),
@@ -87,12 +89,12 @@ def bench_shape(name, tokens, in_f, out_f, rounds, inner, notes):
     static = qt.with_config(ComputeConfig(activation_scaling="static"))
     dyn_t = qt.with_config(ComputeConfig(activation_scaling="dynamic_tensor"))
     wo = qt.with_config(ComputeConfig(path="weight_only"))
-    api = lin.scaled_mm_api(x.device)
+    api = sm.scaled_mm_api(x.device)
     xq, sa = kernels.quantize_rows(x)
     sb = lin._row_weight_scale(qt)
     fns = {
         "bf16 F.linear": lambda: F.linear(x, w, b),
-        "scaled_mm floor": lambda: lin.SCALED_MM_APIS[api](xq, qt.qdata.t(), sa, sb, b,
+        "scaled_mm floor": lambda: sm.SCALED_MM_APIS[api](xq, qt.qdata.t(), sa, sb, b,
                                                             torch.bfloat16),
         "ours auto": lambda: F.linear(x, auto, b),
         "ours static": lambda: F.linear(x, static, b),
@@ -283,8 +285,8 @@ def main_cuda(args) -> None:
     cap = torch.cuda.get_device_capability()
     print(f"device={torch.cuda.get_device_name()} capability={cap} torch={torch.__version__} "
           f"triton={'yes' if kernels.HAS_TRITON else 'no'} rounds={rounds} inner={inner} "
-          f"scaled_mm_api={lin.scaled_mm_api(torch.device('cuda'))} "
-          f"blockwise={lin.blockwise_supported(torch.device('cuda'))} "
+          f"scaled_mm_api={sm.scaled_mm_api(torch.device('cuda'))} "
+          f"blockwise={sm.blockwise_supported(torch.device('cuda'))} "
           f"fused_weight_only_max_m={kernels.FUSED_WEIGHT_ONLY_MAX_M}")
     print("statistic: median over interleaved rounds of the mean time per call (CUDA events); "
           "speedup = bf16 time / variant time (above 1 is faster)")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8_engram.quant import ComputeConfig, PerRow, QuantizedTensor, linear
-from fp8_engram.quant.int8 import int8_supported, to_int8
+from fp8_engram.quant.compute.int8 import int8_supported, to_int8
 from fp8_engram.quant.kernels.int8_mm import quantize_rows_int8
 
 SHAPES = [("flux-proj", 1024, 3072, 3072), ("flux-proj", 4608, 3072, 3072),

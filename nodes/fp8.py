@@ -92,7 +92,7 @@ def _path_label(cfg: ComputeConfig) -> str:
         return int8_label
     device = comfy.model_management.get_torch_device()
     from ..quant import fp8_supported
-    from ..quant.int8 import int8_supported
+    from ..quant.compute.int8 import int8_supported
 
     if fp8_supported(device):
         return f"auto: fp8 matmul ({cfg.activation_scaling})"

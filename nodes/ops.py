@@ -7,7 +7,7 @@
   in stock ComfyUI;
 - keeps a convolution's weight FP8 when the file holds it FP8 (cast per call, exactly, as stock's manual
   cast does);
-- runs forward through `fp8_engram.quant.linear` with the weight's ComputeConfig (weight-only on the
+- runs forward through `fp8_engram.quant.compute.linear` with the weight's ComputeConfig (weight-only on the
   CPU by default); a weight on another device moves as FP8 (that is what offloading moves);
 - supports ComfyUI weight patches (LoRA ...) through the `convert_weight` / `set_weight` hooks that
   `comfy.model_patcher` looks up: dequantize -> patch -> requantize into the same layout and FP8
@@ -26,9 +26,9 @@ import torch
 
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
-from ..quant import int8 as quant_int8
-from ..quant import mxfp8, nvfp4
-from ..quant.layouts import release_workspace
+from ..quant.compute import int8 as quant_int8
+from ..quant.layouts import mxfp8, nvfp4
+from ..quant.runtime import release_workspace
 
 logger = logging.getLogger(__name__)
 

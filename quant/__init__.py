@@ -8,13 +8,12 @@
 import torch
 
 from .config import ComputeConfig
-from .int8_layout import Int8
-from .layouts import FP8_DTYPES, Block, PerRow, PerTensor, QuantizationError, fp8_max
-from .mxfp8 import MXFP8
-from .nvfp4 import NVFP4
+from .errors import QuantizationError
+from .layouts import FP8_DTYPES, MXFP8, NVFP4, Block, Int8, PerRow, PerTensor
+from .numerics import fp8_max
 from .tensor import QuantizedTensor, _rebuild_quantized_tensor
 from . import dispatch as _dispatch  # noqa: F401  (fills the op tables)
-from .linear import fp8_supported, linear
+from .compute import fp8_supported, linear
 
 # torch.load(weights_only=True) may rebuild these
 torch.serialization.add_safe_globals(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import QuantizationError
+from .errors import QuantizationError
 
 __all__ = ["ComputeConfig", "PATHS", "ACTIVATION_SCALINGS"]
 
@@ -23,10 +23,10 @@ class ComputeConfig:
         "fp8"         always try fp8 x fp8 via scaled_mm (also on the CPU, for testing); a failure
                       logs once and falls back to weight-only
         "weight_only" dequantize the weight into the compute dtype and run a plain matmul
-        "int8"        int8 x int8 with per-token activation scales (``int8.py``): weights converted
+        "int8"        int8 x int8 with per-token activation scales (``compute/int8.py``): weights converted
                       to int8 per output channel once (at load, or on first use, cached on the weight)
         ("auto" also picks int8 for int8 weights, and loaders convert to them, where the device has
-        fast INT8 but no FP8 units: CUDA capability 8.0-8.8, CPUs with VNNI/AMX; see int8.int8_supported)
+        fast INT8 but no FP8 units: CUDA capability 8.0-8.8, CPUs with VNNI/AMX; see compute.int8.int8_supported)
     activation_scaling:
         "auto"           the fastest scaling whose accuracy is at least dynamic per tensor's:
                          dynamic per row (one fused pass, no reduction over the whole tensor)

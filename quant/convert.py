@@ -22,6 +22,7 @@ import sys
 import torch
 
 from . import formats, save
+from .tensor import QuantizedTensor
 from .quantize_model import DEFAULT_KEEP, GRANULARITIES, fit_layout, fp8_dtype_from_name, keep_reason, make_layout, sqnr_db
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,6 @@ def convert_file(src, dst, *, granularity: str = "tensor", fp8_dtype="e4m3fn", k
                  block: tuple[int, int] = (128, 128), stochastic_rounding: int | None = None,
                  overwrite: bool = False, progress=None) -> tuple[save.SaveResult, dict[str, float]]:
     """Convert `src` into `dst`. Returns (save result, {layer: SQNR dB vs. the source's values})."""
-    from .tensor import QuantizedTensor
-
     fp8 = fp8_dtype_from_name(fp8_dtype)
     layout = make_layout(granularity, block)
     keep = tuple(keep)

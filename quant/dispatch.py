@@ -3,10 +3,9 @@
 1. generic ops (any layout): detach, clone, alias, device moves (``_to_copy`` and the ``to``
    overloads that reach dispatch under ``inference_mode``), ``copy_``,
    ``empty_like``, transposes, views where the layout allows, pinning, size checks;
-2. matmul-like ops, routed to :func:`linear.linear`: ``F.linear`` / ``matmul`` / ``mm`` /
-   ``addmm`` at the torch-function level (whole op, any input rank, autograd sees plain
-   tensors) and ``aten.linear`` / ``mm`` / ``addmm`` / ``matmul`` at the aten level; ``bmm`` and
-   convolutions run weight-only (dequantized into the input's dtype, quietly);
+2. matmul-like ops: ``F.linear``, ``matmul``, ``mm``, ``addmm`` and their aten forms, registered
+   by the compute floor (``compute/matmul.py``, routed to ``compute.linear``); ``bmm`` and
+   convolutions run weight-only here (dequantized into the input's dtype, quietly);
 3. anything else: ``tensor.dequantize_fallback`` (logged once per op).
 """
 
@@ -18,16 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from .layouts import PerTensor, QuantizationError
-from .linear import linear
-from .tensor import (
-    ATEN_OPS,
-    TORCH_FUNCTIONS,
-    QuantizedTensor,
-    _companion_dtype,
-    dequantize_fallback,
-    log_once,
-)
+from .errors import QuantizationError
+from .runtime import log_once
+from .tensor import ATEN_OPS, TORCH_FUNCTIONS, QuantizedTensor, _companion_dtype, dequantize_fallback
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -216,7 +208,7 @@ def _view(func, args, kwargs):
         size[size.index(-1)] = numel // known if known else 0
     if size == list(qt.shape):
         return qt._replace()
-    if isinstance(qt.layout, PerTensor) and not qt.transposed:
+    if qt.layout.reshapeable and not qt.transposed:
         # one scale for everything: any view of the data keeps its meaning
         return qt._replace(qdata=qt.qdata.view(size))
     return dequantize_fallback(func, args, kwargs)
@@ -244,87 +236,8 @@ def _pin_memory(func, args, kwargs):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. matmul-like ops
+# 2. ops that are weight-only by nature (the matmul-like ops are the compute floor's: compute/matmul.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def _matmul(a, b):
-    """a @ b where either side may be a QuantizedTensor; routes to linear() when it is one."""
-    if _is_qt(b) and not _is_qt(a) and b.dim() == 2 and b.transposed:
-        # x @ W.t()  ==  linear(x, W)   (the common case; any rank of x)
-        return linear(a, b.canonical())
-    if _is_qt(a) and not _is_qt(b) and a.dim() == 2 and not a.transposed:
-        # W @ y  ==  (y^T @ W^T)^T
-        if b.dim() == 1:
-            return linear(b, a)
-        if b.dim() >= 2:
-            return linear(b.transpose(-1, -2), a).transpose(-1, -2)
-    dt = a.dtype if not _is_qt(a) else (b.dtype if not _is_qt(b) else None)
-    return torch.matmul(_plain(a, dt if dt is not None and dt.is_floating_point else None),
-                        _plain(b, dt if dt is not None and dt.is_floating_point else None))
-
-
-def _addmm(bias, a, b, beta=1, alpha=1):
-    if beta == 1 and alpha == 1 and bias is not None and not _is_qt(bias) and bias.dim() <= 1 \
-            and _is_qt(b) and not _is_qt(a) and b.transposed:
-        return linear(a, b.canonical(), bias)
-    out = _matmul(a, b)
-    if alpha != 1:
-        out = out * alpha
-    if beta == 0:
-        return out
-    bias = _plain(bias, out.dtype)
-    return out + (bias if beta == 1 else bias * beta)
-
-
-@implements_torch_function(F.linear)
-def _tf_linear(args, kwargs):
-    x = args[0] if args else kwargs["input"]
-    w = args[1] if len(args) > 1 else kwargs["weight"]
-    b = args[2] if len(args) > 2 else kwargs.get("bias")
-    return linear(x, w, b)
-
-
-@implements_torch_function(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
-                           torch.mm, torch.Tensor.mm)
-def _tf_matmul(args, kwargs):
-    a = args[0] if args else kwargs["input"]
-    b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
-    if kwargs.get("out") is not None:
-        return NotImplemented
-    return _matmul(a, b)
-
-
-@implements_torch_function(torch.Tensor.__rmatmul__)
-def _tf_rmatmul(args, kwargs):
-    return _matmul(args[1], args[0])
-
-
-@implements_torch_function(torch.addmm, torch.Tensor.addmm)
-def _tf_addmm(args, kwargs):
-    if kwargs.get("out") is not None:
-        return NotImplemented
-    bias = args[0] if args else kwargs["input"]
-    a = args[1] if len(args) > 1 else kwargs["mat1"]
-    b = args[2] if len(args) > 2 else kwargs["mat2"]
-    return _addmm(bias, a, b, kwargs.get("beta", 1), kwargs.get("alpha", 1))
-
-
-@implements(aten.linear.default)
-def _aten_linear(func, args, kwargs):
-    x, w = args[0], args[1]
-    b = args[2] if len(args) > 2 else kwargs.get("bias")
-    return linear(x, w, b)
-
-
-@implements(aten.mm.default, aten.matmul.default)
-def _aten_mm(func, args, kwargs):
-    return _matmul(args[0], args[1])
-
-
-@implements(aten.addmm.default)
-def _aten_addmm(func, args, kwargs):
-    return _addmm(args[0], args[1], args[2], kwargs.get("beta", 1), kwargs.get("alpha", 1))
 
 
 def _dequantized_call(func):
@@ -353,5 +266,5 @@ def _aten_convolution(func, args, kwargs):
 @implements(aten.bmm.default)
 def _aten_bmm(func, args, kwargs):
     # a 2-D weight never reaches bmm in a linear; batched products just use the dequantized data
-    log_once(("bmm", "dequantize"), logging.DEBUG, "QuantizedTensor: bmm runs on dequantized data")
+    log_once(logger, ("bmm", "dequantize"), logging.DEBUG, "QuantizedTensor: bmm runs on dequantized data")
     return dequantize_fallback(func, args, kwargs, quiet=True)

@@ -24,7 +24,7 @@ Formats (see DESIGN.md):
 |                        | diffusers, compressed-tensors                                          |
 | `blockwise_scale_inv`  | `.weight_scale_inv` per block (DeepSeek style, 128x128)                |
 | (per layer) nvfp4      | `.comfy_quant` `{"format": "nvfp4"}`: packed e2m1 `.weight` (uint8),   |
-|                        | e4m3 `.weight_scale` (tiled), `.weight_scale_2` (quant/nvfp4.py)       |
+|                        | e4m3 `.weight_scale` (tiled), `.weight_scale_2` (quant/layouts/nvfp4.py)       |
 
 Every scale multiplies: `w = fp8 * expand(scale)`. Block scales are read only with the block sizes of
 `KNOWN_BLOCKS` or the one the file declares, and scales that would overflow the compute dtype are
@@ -36,66 +36,32 @@ and what was expected.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import struct
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
 
+from .errors import FormatError, QuantizationError
+from .layouts import layout_for, mxfp8
+from .layouts.comfy_int8 import INT8_FORMATS, plan_layer
+from .layouts.nvfp4 import GROUP as NVFP4_GROUP, scales_from_file as nvfp4_scales_from_file, split_scales
+from .tensor import QuantizedTensor
+from .format_report import (  # noqa: F401 - format names and report types are part of this module's API
+    BLOCKWISE_INV, COMFY_FORMATS, COMFY_METADATA, COMFY_PER_LAYER, COMFY_SCALED, FLOAT_DTYPES, FP8_BY_NAME,
+    FP8_DTYPES, MUSUBI, MXFP8_FORMAT, PLAIN, UNQUANTIZED, WEIGHT_SCALE, DetectedFormat, FormatReport, LayerInfo,
+    _fp8_name, _make_report)
+from .format_scales import (  # noqa: F401
+    KNOWN_BLOCKS, _check_declared_group, _check_scale_values, block_grid, check_nvfp4_range, check_scale_range,
+    infer_layout)
+from .safetensors_file import (  # noqa: F401
+    MAX_COMFY_QUANT_BYTES, MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_METADATA_JSON_BYTES, ST_DTYPES, ST_NAMES,
+    SafetensorsHeader, TensorEntry, _err, _FileReader, _is_int, _loads, _MappedReader, _short, read_header)
+
 logger = logging.getLogger(__name__)
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_BY_NAME = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-# ComfyUI 0.29's "mxfp8": e4m3fn data, one UE8M0 scale per 32 inputs (quant/mxfp8.py); data dtype per format
-MXFP8_FORMAT = "mxfp8"
-COMFY_FORMATS = {**FP8_BY_NAME, MXFP8_FORMAT: torch.float8_e4m3fn}
-
-# safetensors dtype strings -> torch dtypes (the ones a checkpoint can hold)
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
-    if hasattr(torch, _attr):
-        ST_DTYPES[_name] = getattr(torch, _attr)
-ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
-
-FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-# Format names (FormatReport.format, LayerInfo.source)
-PLAIN = "plain_fp8"
-COMFY_SCALED = "comfy_scaled_fp8"
-COMFY_METADATA = "comfy_quant_metadata"
-COMFY_PER_LAYER = "comfy_quant_per_layer"
-MUSUBI = "musubi_fp8_scaled"
-WEIGHT_SCALE = "weight_scale"
-BLOCKWISE_INV = "blockwise_scale_inv"
-UNQUANTIZED = "unquantized"
 
 MARKER = "scaled_fp8"
 QUANT_METADATA_KEY = "_quantization_metadata"
-# Bounds on what a file may make the reader parse or allocate before any tensor is touched.
-# safetensors itself allows 100 MB, but parsing a hostile 100 MB JSON header costs Python up to ~1 GB;
-# real headers (thousands of tensors, training metadata, embedded workflows) stay far below 32 MiB.
-MAX_HEADER_BYTES = 32 * 1024 * 1024
-MAX_METADATA_JSON_BYTES = 16 * 1024 * 1024  # one JSON value of the header metadata
-MAX_COMFY_QUANT_BYTES = 64 * 1024  # one `.comfy_quant` tensor (a few dozen bytes of JSON in practice)
-MAX_DIMS = 8
-MAX_DIM = 1 << 40
 
 _SCALE_SUFFIXES = (".scale_weight", ".weight_scale_inv", ".weight_scale")
 _INPUT_SCALE_SUFFIXES = (".input_scale", ".scale_input")
@@ -107,448 +73,6 @@ _UNSUPPORTED_SUFFIXES = (".weight_scale_2", ".weight_zero_point", ".weight_globa
 _NVFP4_LIKE_SUFFIXES = (".weight_scale_2", ".weight_global_scale")
 
 
-class FormatError(ValueError):
-    """A file this pack cannot read as it claims to be; the message names file, key and expectation."""
-
-
-def _err(path, key, problem: str, expected: str | None = None) -> FormatError:
-    where = f"{os.fspath(path)}" + (f", key '{key}'" if key else "")
-    msg = f"{where}: {problem}"
-    if expected:
-        msg += f"; expected {expected}"
-    return FormatError(msg)
-
-
-# --------------------------------------------------------------------------------------------------
-# Header
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # offsets inside the data section
-    end: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class SafetensorsHeader:
-    path: str
-    tensors: dict[str, TensorEntry]
-    metadata: dict[str, str]
-    data_start: int
-    file_size: int
-
-
-def _read_header_bytes(path: str, f) -> tuple[int, int, bytes]:
-    """(file size, header length, header bytes) of an open file, with the checks that need no parsing."""
-    file_size = os.fstat(f.fileno()).st_size
-    f.seek(0)
-    head = f.read(8)
-    if len(head) < 8:
-        raise _err(path, None, f"file is {file_size} bytes long, too short to be safetensors",
-                   "an 8-byte header length followed by a JSON header")
-    (n,) = struct.unpack("<Q", head)
-    if n > file_size - 8:
-        raise _err(path, None, _not_a_header(path, head, n, file_size),
-                   f"a header length of at most {min(MAX_HEADER_BYTES, file_size - 8)}")
-    if n > MAX_HEADER_BYTES:
-        raise _err(path, None, f"the JSON header is {n:,} bytes long, more than this reader accepts",
-                   f"at most {MAX_HEADER_BYTES:,} bytes (real checkpoints use well under 1 MB)")
-    raw = f.read(n)
-    if len(raw) < n:
-        raise _err(path, None, f"the file ended inside its {n:,}-byte header (it shrank while being read)",
-                   "a complete safetensors file")
-    return file_size, n, raw
-
-
-def _not_a_header(path: str, head: bytes, n: int, file_size: int) -> str:
-    """Why a header length field that points past the end of the file is wrong, in words a user can act on."""
-    link = ""
-    if os.path.islink(path):
-        link = f" (a link to {os.path.realpath(path)})"
-    if head.startswith(b"PK\x03\x04"):
-        kind = "a zip archive (a PyTorch .ckpt/.pt pickle?), not safetensors"
-    elif head.startswith((b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")):
-        kind = "a Python pickle (.ckpt/.pt), not safetensors"
-    elif head.startswith(b"GGUF"):
-        kind = "a GGUF file, not safetensors"
-    elif all(32 <= c < 127 or c in (9, 10, 13) for c in head):
-        kind = f"text (it begins {head.decode('ascii')!r}), not a safetensors file"
-    else:
-        return (f"header length field says {n} bytes but the file{link} has {file_size - 8} bytes after it "
-                "(truncated file, or not a safetensors file)")
-    return f"the file{link} is {kind}"
-
-
-def read_header(path, *, file=None) -> SafetensorsHeader:
-    """Parse and check a safetensors header: every tensor's dtype, shape and byte range must agree.
-
-    `file`: the file already open (binary, seekable); its header is read from it, so that the tensors
-    read later through the same file belong to this header even if the name is replaced meanwhile."""
-    path = os.fspath(path)
-    try:
-        if file is None:
-            with open(path, "rb") as f:
-                file_size, n, raw = _read_header_bytes(path, f)
-        else:
-            file_size, n, raw = _read_header_bytes(path, file)
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot read the file ({exc})") from exc
-    header = _loads(path, None, raw, "a safetensors JSON header")
-    if not isinstance(header, dict):
-        raise _err(path, None, "the header is not a JSON object", "a safetensors JSON header")
-
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _err(path, "__metadata__", "metadata is not a map of strings", "{name: string}")
-    data_start = 8 + n
-    data_size = file_size - data_start
-    tensors: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if not isinstance(info, dict):
-            raise _err(path, name, "header entry is not an object", "{dtype, shape, data_offsets}")
-        dtype = ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
-        if dtype is None:
-            raise _err(path, name, f"unsupported tensor dtype {_short(info.get('dtype'))}",
-                       "one of " + ", ".join(sorted(ST_DTYPES)))
-        shape = info.get("shape")
-        offsets = info.get("data_offsets")
-        if (not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(s) and 0 <= s <= MAX_DIM for s in shape)
-                or not isinstance(offsets, list) or len(offsets) != 2
-                or not all(_is_int(o) and o >= 0 for o in offsets) or offsets[1] < offsets[0]):
-            raise _err(path, name, f"malformed shape {_short(shape)} or data_offsets {_short(offsets)}",
-                       f"a list of at most {MAX_DIMS} non-negative ints and [begin, end] with begin <= end")
-        entry = TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        want = entry.numel * itemsize
-        if entry.nbytes != want:
-            raise _err(path, name, f"header says shape {list(shape)} of {info['dtype']} ({want} bytes) but its "
-                       f"data_offsets span {entry.nbytes} bytes (the header lies about sizes)",
-                       f"data_offsets spanning exactly {want} bytes")
-        if entry.end > data_size:
-            raise _err(path, name, f"tensor data ends at byte {entry.end} of the data section, which has only "
-                       f"{data_size} bytes (truncated file)", f"a file of at least {data_start + entry.end} bytes")
-        tensors[name] = entry
-    # Like safetensors itself: tensors tile the data section exactly, without gaps or overlaps.
-    end = 0
-    for entry in sorted(tensors.values(), key=lambda e: (e.start, e.end)):
-        if entry.start != end:
-            what = "overlaps the tensor before it" if entry.start < end else f"leaves a gap of {entry.start - end} bytes"
-            raise _err(path, entry.name, f"data_offsets {[entry.start, entry.end]} {what}",
-                       f"tensors stored back to back (this one starting at byte {end})")
-        end = entry.end
-    if end != data_size:
-        raise _err(path, None, f"{data_size - end} bytes follow the last tensor's data",
-                   "a file that ends with the last tensor (safetensors refuses trailing data)")
-    return SafetensorsHeader(path, tensors, dict(metadata), data_start, file_size)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _short(value, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _loads(path, key, raw, expected: str):
-    """json.loads that turns every way a hostile text can fail (bad UTF-8, bad JSON, nesting deeper
-    than Python's recursion limit, integers too long to convert) into a FormatError."""
-    try:
-        if isinstance(raw, bytes):
-            raw = raw.decode("utf-8")
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _err(path, key, f"not valid JSON ({exc})", expected) from exc
-    except RecursionError:
-        raise _err(path, key, "JSON nested too deeply", expected) from None
-    except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
-        raise _err(path, key, f"unreadable JSON ({str(exc)[:200]})", expected) from None
-
-
-class _FileReader:
-    """Reads tensors with ordinary file reads into memory this process owns.
-
-    Nothing stays mapped to the file: a model file that is replaced, rewritten or truncated while the
-    model is in use (a download tool rewriting it in place) cannot take the process down with SIGBUS
-    on a mapped page, as a memory-mapped tensor would at its next use. Everything is read through one
-    open file, the one the header was read from; `close()` when done."""
-
-    def __init__(self, path: str, device: str = "cpu", header: SafetensorsHeader | None = None):
-        self.path = path
-        self.device = device
-        self.header = header
-        self._file = None
-
-    def open(self):
-        if self._file is None:
-            try:
-                self._file = open(self.path, "rb", buffering=0)
-            except OSError as exc:
-                raise FormatError(f"{self.path}: cannot read the file ({exc})") from exc
-        return self._file
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def get(self, key: str) -> torch.Tensor:
-        if self.header is None:
-            self.header = read_header(self.path, file=self.open())
-        entry = self.header.tensors[key]
-        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
-        if entry.nbytes:
-            f = self.open()
-            view = memoryview(buf.numpy()).cast("B")
-            pos, done = self.header.data_start + entry.start, 0
-            try:
-                f.seek(pos)
-                while done < entry.nbytes:
-                    n = f.readinto(view[done:])  # one read returns at most ~2 GiB on Linux
-                    if not n:
-                        raise _err(self.path, key, f"the file ended at byte {pos + done:,} while reading this tensor "
-                                   "(it was truncated or rewritten while loading)",
-                                   f"a file of at least {self.header.data_start + entry.end:,} bytes")
-                    done += n
-            except OSError as exc:
-                raise _err(self.path, key, f"reading this tensor failed ({exc})") from exc
-        t = buf.view(entry.dtype).reshape(entry.shape)
-        return t if self.device == "cpu" else t.to(self.device)
-
-
-class _MappedReader:
-    """Opens the file with safetensors (memory-mapped) on first use; wraps its errors with the path.
-
-    Tensors stay mapped to the file: pages are read when first touched and the kernel may drop them
-    again, so this suits a file that nobody changes while it is open (a conversion script), not a
-    server that keeps a model for hours."""
-
-    def __init__(self, path: str, device: str = "cpu"):
-        self.path = path
-        self.device = device
-        self._handle = None
-
-    def get(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        try:
-            if self._handle is None:
-                self._handle = safe_open(self.path, framework="pt", device=self.device)
-            return self._handle.get_tensor(key)
-        except FormatError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types
-            raise _err(self.path, key, f"safetensors could not read this tensor ({exc})",
-                       "a complete, valid safetensors file") from exc
-
-    def close(self) -> None:
-        self._handle = None  # the mapping lives as long as the tensors made from it
-
-
-# --------------------------------------------------------------------------------------------------
-# Layer plans
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class LayerInfo:
-    """How one quantized linear layer is stored."""
-
-    name: str  # layer prefix, e.g. "joint_blocks.0.x_block.attn.qkv"
-    source: str  # format name that wrote it
-    granularity: str  # "tensor" | "row" | "block"
-    block: tuple[int, int] | None  # (rows, cols) for block-wise
-    fp8_dtype: torch.dtype
-    shape: tuple[int, int]
-    weight_key: str
-    scale_key: str | None
-    input_scale_key: str | None = None
-    full_precision_mm: bool = False  # the file says: do not run fp8 x fp8 on this layer
-    consumed: tuple[str, ...] = ()  # keys (besides weight/scale/input scale) that belong to this layer
-    layout: object = None  # the layout itself where the granularity does not say it (ComfyUI int8 formats)
-    decode: object = None  # stored weight -> the layout's data (ComfyUI's packed 4-bit formats)
-
-    def describe(self) -> str:
-        lay = self.granularity if self.block is None else f"block {self.block[0]}x{self.block[1]}"
-        return f"{self.name}: {list(self.shape)} {str(self.fp8_dtype).removeprefix('torch.')} {lay} ({self.source})"
-
-
-@dataclass
-class FormatReport:
-    path: str
-    format: str  # main format name, or "a+b" when a file mixes formats (e.g. checkpoint with a TE)
-    formats: dict[str, int]  # format -> number of layers
-    layers_quantized: int
-    linear_weights: int  # 2-D `.weight` tensors in the file (quantized or not)
-    bytes_on_disk: int
-    bytes_bf16: int  # the same weights stored as bf16 (scales and markers dropped)
-    fp8_dtypes: list[str]
-    granularities: dict[str, int]
-    fp8_matmul_allowed: bool
-    layers: list[LayerInfo] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    stock_comfy_readable: bool = True  # whether stock ComfyUI 0.3.75 reads the scales of this file
-
-    def summary(self) -> dict:
-        """JSON-able summary (what nodes show in the UI)."""
-        return {
-            "file": os.path.basename(self.path),
-            "format": self.format,
-            "layers_quantized": self.layers_quantized,
-            "linear_weights": self.linear_weights,
-            "fp8_dtypes": self.fp8_dtypes,
-            "granularity": self.granularities,
-            "bytes_on_disk": self.bytes_on_disk,
-            "bytes_bf16": self.bytes_bf16,
-            "ratio_vs_bf16": round(self.bytes_on_disk / self.bytes_bf16, 4) if self.bytes_bf16 else None,
-            "fp8_matmul_allowed": self.fp8_matmul_allowed,
-            "stock_comfyui_reads_scales": self.stock_comfy_readable,
-            "notes": list(self.notes),
-        }
-
-    def text(self, per_layer: bool = False) -> str:
-        s = self.summary()
-        lines = [
-            f"file:             {self.path}",
-            f"format:           {self.format}",
-            f"layers quantized: {self.layers_quantized} of {self.linear_weights} linear weights",
-            f"fp8 dtypes:       {', '.join(self.fp8_dtypes) or '-'}",
-            f"granularity:      {', '.join(f'{k}: {v}' for k, v in self.granularities.items()) or '-'}",
-            f"bytes on disk:    {self.bytes_on_disk:,} ({self.bytes_on_disk / 2**20:.2f} MiB)",
-            f"as bf16:          {self.bytes_bf16:,} ({self.bytes_bf16 / 2**20:.2f} MiB), ratio {s['ratio_vs_bf16']}",
-            f"fp8 matmul:       {'allowed' if self.fp8_matmul_allowed else 'not allowed by the file'}",
-            f"stock ComfyUI:    {'reads its scales' if self.stock_comfy_readable else 'cannot read its scales'}",
-        ]
-        lines += [f"note:             {n}" for n in self.notes]
-        if per_layer:
-            lines.append("layers:")
-            lines += [f"  {info.describe()}" for info in self.layers]
-        return "\n".join(lines)
-
-
-@dataclass
-class DetectedFormat:
-    header: SafetensorsHeader
-    layers: dict[str, LayerInfo]  # by weight key
-    consumed: set[str]  # every key that is not part of the normalized state dict
-    input_scales: dict[str, torch.Tensor]  # weight key -> float32 []
-    scales: dict[str, torch.Tensor]  # weight key -> float32 scale in the layout's shape
-    orig_dtype: torch.dtype
-    report: FormatReport
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# Block shapes (rows x cols of an [out, in] weight) that published formats use, and how each format fits
-# its blocks to a weight: "ceil" lets the last block of a row or column be partial ([ceil(out/r),
-# ceil(in/c)] scales), "exact" needs the block to divide the weight. A scale grid is read as block-wise
-# only with one of these, or with the block size the file itself declares (quantization_config
-# `weight_block_size`, `.comfy_quant` `block_size`; the pack's own row/block files do). Any other grid is
-# refused rather than guessed: a shape alone fits many wrong blocks ([3, 7] on [128, 128] "fits" 43x19).
-# A new format with its own block adds its line here.
-KNOWN_BLOCKS: dict[tuple[int, int], tuple[str, str]] = {
-    (128, 128): ("ceil", "DeepSeek-style .weight_scale_inv, compressed-tensors block"),
-    (1, 16): ("exact", "NVFP4 groups, musubi-tuner"),
-    (1, 32): ("ceil", "MXFP8, musubi-tuner"),
-    (1, 64): ("exact", "musubi-tuner fp8_scaled (its default)"),
-    (1, 128): ("exact", "musubi-tuner, compressed-tensors group"),
-    (1, 256): ("exact", "musubi-tuner"),
-    (1, 512): ("exact", "musubi-tuner"),
-    (1, 1024): ("exact", "musubi-tuner"),
-}
-
-
-def block_grid(weight_shape, block: tuple[int, int], edges: str = "ceil") -> tuple[int, int] | None:
-    """The scale grid of `block` over an [out, in] weight, or None where `edges` "exact" does not divide it."""
-    (out, inp), (r, c) = weight_shape, block
-    if edges == "exact" and (out % r or inp % c):
-        return None
-    return _ceil_div(out, r), _ceil_div(inp, c)
-
-
-def infer_layout(path, scale_key: str, weight_shape, scale_shape, source: str,
-                 block_hint: tuple[int, int] | None = None) -> tuple[str, tuple[int, int] | None, tuple[int, ...]]:
-    """Map a scale shape to (granularity, block, normalized scale shape) for a weight [out, in].
-
-    Block-wise only with a block of KNOWN_BLOCKS or `block_hint` (the block size the file declares)."""
-    out, inp = weight_shape
-    sshape = tuple(scale_shape)
-    numel = math.prod(sshape)
-    if numel == 1 and len(sshape) <= 2:
-        return "tensor", None, ()
-    if sshape in ((out,), (out, 1)):
-        return "row", None, (out, 1)
-    declared = {tuple(block_hint): "ceil"} if block_hint is not None else {}
-    # the declared block first: where two blocks give the same grid, the file's word decides
-    accepted = {**declared, **{b: edges for b, (edges, _) in KNOWN_BLOCKS.items() if b not in declared}}
-    grid = None
-    if len(sshape) == 3 and sshape[0] == out and sshape[2] == 1 and sshape[1] > 0:
-        # musubi-tuner: [out, n_blocks, 1], blocks of 1 x (in / n_blocks) along the input dim
-        nb = sshape[1]
-        if inp % nb == 0 and (1, inp // nb) in accepted:
-            return "block", (1, inp // nb), (out, nb)
-        grid = (out, nb)
-    elif len(sshape) == 2 and all(s > 0 for s in sshape):
-        for block, edges in accepted.items():
-            if block_grid(weight_shape, block, edges) == sshape:
-                return "block", block, sshape
-        grid = sshape
-    why = ""
-    if grid is not None:
-        r, c = (f"{w // g}" if w % g == 0 else f"about {_ceil_div(w, g)}" for w, g in zip((out, inp), grid))
-        why = f" (as blocks they would be {r} x {c}, a size no published format uses and the file does not declare)"
-    known = ", ".join(f"{r}x{c}" for r, c in KNOWN_BLOCKS)
-    raise _err(path, scale_key, f"scale shape {list(sshape)} fits no layout for weight shape [{out}, {inp}]{why}",
-               f"[] or [1] (per tensor), [{out}] or [{out}, 1] (per row), or block scales "
-               f"[ceil(out/r), ceil(in/c)] ([{out}, n, 1] for musubi) with a block r x c of {known}"
-               + (f" or the declared {block_hint[0]}x{block_hint[1]}" if block_hint is not None else
-                  ", or one the file declares in quantization_config weight_block_size"))
-
-
-def _check_scale_values(path, key: str, t: torch.Tensor) -> torch.Tensor:
-    if t.dtype not in FLOAT_DTYPES:
-        raise _err(path, key, f"scale has dtype {str(t.dtype).removeprefix('torch.')}",
-                   "a float32, float16 or bfloat16 scale")
-    t = t.to(torch.float32)
-    if t.numel() == 0:
-        raise _err(path, key, "scale is empty", "at least one element")
-    bad = ~torch.isfinite(t)
-    if bool(bad.any()):
-        raise _err(path, key, f"scale holds {int(bad.sum())} non-finite value(s) (NaN or inf)", "finite scales > 0")
-    nonpos = t <= 0
-    if bool(nonpos.any()):
-        raise _err(path, key, f"scale holds {int(nonpos.sum())} zero or negative value(s)", "finite scales > 0")
-    return t
-
-
-def check_scale_range(path, key: str, scale: torch.Tensor, fp8_dtype: torch.dtype,
-                      compute_dtype: torch.dtype | None = None) -> None:
-    """Refuse a weight scale whose product with the largest `fp8_dtype` value overflows `compute_dtype`
-    (None: float32; bfloat16 has the same range): dequantized, that layer would hold inf and every
-    output after it NaN. Real scales are near the weights' absolute maximum / the FP8 maximum."""
-    dtype = compute_dtype or torch.float32
-    limit = float(torch.finfo(dtype).max)
-    fmax = float(torch.finfo(fp8_dtype).max)
-    top = float(scale.detach().abs().max()) if scale.numel() else 0.0
-    if top * fmax > limit:
-        raise _err(path, key, f"scale {top:.4g} times {_fp8_name(fp8_dtype)}'s largest value {fmax:g} is "
-                   f"{top * fmax:.4g}, beyond {_fp8_name(dtype)}'s range ({limit:.4g}): the weights would "
-                   "dequantize to inf and every output to NaN",
-                   f"scales of at most {limit / fmax:.4g} for {_fp8_name(dtype)} (a weight's absolute maximum "
-                   f"divided by {fmax:g})")
-
-
 def _parse_json_metadata(path, key: str, text: str, what: str):
     if len(text) > MAX_METADATA_JSON_BYTES:
         raise _err(path, key, f"metadata value is {len(text):,} characters long",
@@ -558,10 +82,6 @@ def _parse_json_metadata(path, key: str, text: str, what: str):
 
 def _layer_name(weight_key: str) -> str:
     return weight_key[: -len(".weight")]
-
-
-def _fp8_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def detect_format(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = None,
@@ -670,7 +190,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         is_fp8 = e.dtype in FP8_DTYPES
         if not (present or has_cq or in_meta):
             continue  # plain tensors and plain casts are decided below
-        if has_cq and e.dtype == torch.int8:  # ComfyUI 0.33's int8 formats: quant/comfy_int8.py
+        if has_cq and e.dtype == torch.int8:  # ComfyUI 0.33's int8 formats: quant/layouts/comfy_int8.py
             layers[wk], scales[wk] = _comfy_int8_layer(path, name, T, rd)
             consumed.update((layers[wk].scale_key,) + layers[wk].consumed)
             continue
@@ -741,18 +261,16 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         scale_key = name + suffix
         se = T[scale_key]
         if comfy_format == MXFP8_FORMAT:
-            from .layouts import QuantizationError
-            from .mxfp8 import BLOCK, scales_from_file
 
             if has_cq:
-                _check_declared_group(path, cq_key, cq, MXFP8_FORMAT, BLOCK)
+                _check_declared_group(path, cq_key, cq, MXFP8_FORMAT, mxfp8.BLOCK)
             if in_meta:
                 _check_declared_group(path, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}", meta_layers[name],
-                                      MXFP8_FORMAT, BLOCK)
+                                      MXFP8_FORMAT, mxfp8.BLOCK)
 
             gran, block = "mxfp8", None
             try:
-                scale = scales_from_file(rd.get(scale_key), e.shape)
+                scale = mxfp8.scales_from_file(rd.get(scale_key), e.shape)
             except QuantizationError as exc:
                 raise _err(path, scale_key, f"bad MXFP8 block scales ({exc})",
                            "UE8M0 bytes in cuBLAS's 128x4 tiled order, one per row and 32 inputs") from exc
@@ -814,56 +332,6 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     return DetectedFormat(hdr, layers, consumed, input_scales, scales, orig_dtype, report)
 
 
-def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed: set[str], markers) -> FormatReport:
-    formats: dict[str, int] = {}
-    grans: dict[str, int] = {}
-    for info in layers.values():
-        formats[info.source] = formats.get(info.source, 0) + 1
-        g = info.granularity if info.block is None else f"block {info.block[0]}x{info.block[1]}"
-        grans[g] = grans.get(g, 0) + 1
-    name = "+".join(sorted(formats, key=lambda f: -formats[f])) if formats else UNQUANTIZED
-    bf16 = 0
-    linear = 0
-    for k, e in hdr.tensors.items():
-        if k in consumed:
-            continue
-        if k.endswith(".weight") and len(e.shape) == 2:
-            linear += 1
-        if k in layers and layers[k].granularity == "nvfp4":
-            bf16 += e.numel * 4  # two 4-bit values per byte
-        elif e.dtype in FLOAT_DTYPES or e.dtype in FP8_DTYPES:
-            bf16 += e.numel * 2
-        elif k in layers:  # an int8 (or packed 4-bit) weight: its logical size in bf16
-            bf16 += math.prod(layers[k].shape) * 2
-        else:
-            bf16 += e.nbytes
-    stock = all(i.granularity == "tensor" and i.source in (PLAIN, COMFY_SCALED, COMFY_METADATA) and
-                (i.source != COMFY_METADATA or i.fp8_dtype == torch.float8_e4m3fn) for i in layers.values())
-    notes = []
-    if any(i.granularity == "nvfp4" for i in layers.values()):
-        notes.append("nvfp4 layers (ComfyUI's own form): stock ComfyUI 0.29 and newer read them, older ones "
-                     "cannot; this pack runs them weight-only")
-    elif any(i.granularity == "mxfp8" for i in layers.values()):
-        notes.append("mxfp8 layers (ComfyUI 0.29's own form): stock ComfyUI 0.29 and newer read them, 0.3.75 cannot "
-                     "(for it, quantize per tensor)")
-    elif any(i.layout is not None for i in layers.values()):
-        notes.append("int8 layers in ComfyUI 0.33's own form (int8_tensorwise / convrot_w4a4 / asym_w4a8_int8): "
-                     "stock ComfyUI 0.33 reads them, 0.3.75 cannot")
-    elif not stock:
-        notes.append("stock ComfyUI 0.3.75 ignores the scales of this file's row/block/per-layer formats; load it with this pack")
-    fp8_mm = not any(i.full_precision_mm for i in layers.values())
-    if not fp8_mm:
-        notes.append("the file asks for full-precision matrix multiplication on some layers")
-    return FormatReport(
-        path=hdr.path, format=name, formats=formats, layers_quantized=len(layers), linear_weights=linear,
-        bytes_on_disk=hdr.file_size, bytes_bf16=bf16,
-        fp8_dtypes=sorted({"e2m1" if i.granularity == "nvfp4" else _fp8_name(i.fp8_dtype) for i in layers.values()}),
-        granularities=grans,
-        fp8_matmul_allowed=fp8_mm, layers=sorted(layers.values(), key=lambda i: i.name), notes=notes,
-        stock_comfy_readable=stock,
-    )
-
-
 def _unsupported_key(path, key: str, suf: str) -> FormatError:
     """Why a key of a quantization scheme outside the ones this pack reads is refused, and what to do."""
     if suf in _NVFP4_LIKE_SUFFIXES:
@@ -882,51 +350,10 @@ def _unsupported_key(path, key: str, suf: str) -> FormatError:
                 "per-layer forms, or the model in bf16/fp16 to convert with this pack")
 
 
-def _check_declared_group(path, key: str, conf: dict, fmt: str, group: int) -> None:
-    """A layer's JSON may repeat the group size of its format (`group_size`, or a `block_size` of
-    [1, group]); any other value describes data this reader would misread, so it is refused."""
-    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
-    for name in ("group_size", "block_size"):
-        value = conf.get(name, params.get(name))
-        if value is None:
-            continue
-        if name == "group_size":
-            ok = _is_int(value) and value == group
-        else:
-            ok = (_is_int(value) and value == group) or (isinstance(value, list) and len(value) == 2
-                                                         and all(_is_int(v) for v in value) and value == [1, group])
-        if not ok:
-            raise _err(path, key, f"the layer's {fmt} JSON says {name} {_short(value)}, but {fmt} has one scale "
-                       f"per {group} inputs and no other group size",
-                       f"{name} {group if name == 'group_size' else [1, group]}, or no {name}")
-
-
-def check_nvfp4_range(path, key: str, block: torch.Tensor, tensor_scale: float,
-                      compute_dtype: torch.dtype | None = None) -> None:
-    """Refuse an NVFP4 tensor scale whose product with the largest block scale and e2m1's largest value
-    (6) overflows `compute_dtype` (None: float32; bfloat16 has its range): the weight would dequantize
-    to inf and every output to NaN. comfy-kitchen converts the tensor scale itself to that dtype first,
-    so it must fit too. Real tensor scales are a weight's absolute maximum / (448 * 6)."""
-    from .nvfp4 import E2M1_MAX
-
-    dtype = compute_dtype or torch.float32
-    limit = float(torch.finfo(dtype).max)
-    bmax = float(block.detach().to(torch.float32).abs().max()) if block.numel() else 0.0
-    top = tensor_scale * bmax * E2M1_MAX  # Python floats: no overflow here
-    if tensor_scale > limit or top > limit:
-        raise _err(path, key, f"NVFP4 tensor scale {tensor_scale:.4g} times the largest block scale {bmax:g} times "
-                   f"e2m1's largest value {E2M1_MAX:g} is {top:.4g}, beyond {_fp8_name(dtype)}'s range "
-                   f"({limit:.4g}): the weights would dequantize to inf and every output to NaN",
-                   f"a tensor scale of at most {limit / (max(bmax, 1.0) * E2M1_MAX):.4g} with these block scales "
-                   "(a weight's absolute maximum divided by 448 * 6)")
-
-
 def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=None) -> dict:
-    """The layers of a file in ComfyUI's NVFP4 form (see quant/nvfp4.py): a `.comfy_quant` or an entry of
+    """The layers of a file in ComfyUI's NVFP4 form (see quant/layouts/nvfp4.py): a `.comfy_quant` or an entry of
     `_quantization_metadata` (which ComfyUI turns into `.comfy_quant`) says "nvfp4". Returns
     {weight key: (LayerInfo, the QuantizedTensor's scale bytes)}; reads only scales and JSON."""
-    from .layouts import QuantizationError
-    from .nvfp4 import GROUP, scales_from_file, split_scales
 
     T = hdr.tensors
     confs: dict[str, tuple[dict, str, str]] = {}  # layer -> (its JSON, format name, the JSON's key)
@@ -952,7 +379,7 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
     found = {}
     for name, (cq, source, conf_key) in sorted(confs.items()):
         cq_key = name + ".comfy_quant"
-        _check_declared_group(path, conf_key, cq, "nvfp4", GROUP)
+        _check_declared_group(path, conf_key, cq, "nvfp4", NVFP4_GROUP)
         wk, sk, s2k = name + ".weight", name + ".weight_scale", name + ".weight_scale_2"
         for key in (wk, sk, s2k):
             if key not in T:
@@ -962,11 +389,11 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
             raise _err(path, name + ".pre_quant_scale", "NVFP4 layers with a pre-quantization input scale (AWQ "
                        "smoothing) are not supported", "an NVFP4 layer without '.pre_quant_scale'")
         e = T[wk]
-        if e.dtype != torch.uint8 or len(e.shape) != 2 or e.shape[0] % GROUP or (2 * e.shape[1]) % GROUP:
+        if e.dtype != torch.uint8 or len(e.shape) != 2 or e.shape[0] % NVFP4_GROUP or (2 * e.shape[1]) % NVFP4_GROUP:
             raise _err(path, wk, f"NVFP4 weight has dtype {_fp8_name(e.dtype)} and shape {list(e.shape)}",
-                       f"uint8 [R, C / 2] with R and C multiples of {GROUP}")
+                       f"uint8 [R, C / 2] with R and C multiples of {NVFP4_GROUP}")
         try:
-            layout, scale = scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
+            layout, scale = nvfp4_scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
         except QuantizationError as exc:
             raise _err(path, sk, f"bad NVFP4 scales ({exc})",
                        "e4m3 block scales in cuBLAS's 128x4 tiled order and one finite float32 scale > 0") from exc
@@ -1000,8 +427,6 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
     overflow its compute dtype (float32's range when it has none) is refused. `progress(done, total)`
     is called per tensor; it may raise to cancel. `keys`, when given, limits the tensors returned.
     """
-    from .layouts import QuantizationError
-    from .tensor import QuantizedTensor
 
     path = os.fspath(path)
     compute_dtype = getattr(config, "compute_dtype", None)
@@ -1047,8 +472,6 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
 def _comfy_int8_layer(path, name: str, T: dict, rd: "_LazyReader"):
     """LayerInfo and scale of a layer in one of ComfyUI's int8 formats (int8_tensorwise, convrot_w4a4,
     asym_w4a8_int8)."""
-    from .comfy_int8 import INT8_FORMATS, plan_layer
-
     cq_key = name + ".comfy_quant"
     ce = T[cq_key]
     expected = 'uint8 bytes of a JSON object like {"format": "int8_tensorwise"}'
@@ -1067,23 +490,12 @@ def _comfy_int8_layer(path, name: str, T: dict, rd: "_LazyReader"):
 
 
 def make_layout(info: LayerInfo):
-    from .layouts import Block, PerRow, PerTensor
-
+    """The layout a layer plan describes (NVFP4 at the stored, padded shape: the model's Linear gives the
+    true one)."""
     if info.layout is not None:
         return info.layout
-    if info.granularity == "mxfp8":
-        from .mxfp8 import MXFP8
-
-        return MXFP8()
-    if info.granularity == "nvfp4":  # the stored (padded) shape; the model's Linear gives the true one
-        from .nvfp4 import NVFP4
-
-        return NVFP4(*info.shape)
-    if info.granularity == "tensor":
-        return PerTensor()
-    if info.granularity == "row":
-        return PerRow()
-    return Block(*info.block)
+    shape = info.shape if info.granularity == "nvfp4" else None
+    return layout_for(info.granularity, info.block, shape)
 
 
 __all__ = [

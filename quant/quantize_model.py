@@ -22,6 +22,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from .layouts import GRANULARITIES as LAYOUT_GRANULARITIES, Int8, layout_for
+from .tensor import QuantizedTensor
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_KEEP: tuple[str, ...] = (
@@ -43,14 +46,13 @@ DEFAULT_KEEP: tuple[str, ...] = (
 )
 
 # mxfp8: 1 x 32 power-of-two scales (ComfyUI 0.29's form); nvfp4: 4-bit e2m1 (ComfyUI's NVFP4 form, 0.29+)
-GRANULARITIES = ("tensor", "row", "block", "mxfp8", "nvfp4")
 # ComfyUI 0.33's int8_tensorwise form: one scale per tensor, or per channel with its ConvRot rotation
 # (regular Hadamard, 256 wide, where in_features allows it); these weights run the int8 path.
 # No asym_w4a8_int8 output, 4- or 6-bit ("W6A8", comfy-kitchen 0.2.36+): ComfyUI 0.33.0 with the
 # comfy-kitchen 0.2.31 it pins loads 6-bit rows but fails on their first use (kitchen 0.2.31 takes K
 # as twice the row width and rejects the group scales), so such a file would not run there.
 INT8_GRANULARITIES = ("int8 tensor", "int8 row convrot")
-GRANULARITIES = GRANULARITIES + INT8_GRANULARITIES
+GRANULARITIES = tuple(LAYOUT_GRANULARITIES)  # the registry's names, in its order
 FP8_NAMES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
              "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -69,28 +71,9 @@ def fp8_dtype_from_name(name) -> torch.dtype:
 def make_layout(granularity: str, block: tuple[int, int] = (128, 128), shape=None):
     """The layout for `granularity`; an NVFP4 layout holds its weight's `shape` (None gives None then: make
     one per weight)."""
-    from .layouts import Block, PerRow, PerTensor
-
-    if granularity == "mxfp8":
-        from .mxfp8 import MXFP8
-
-        return MXFP8()
-    if granularity == "nvfp4":
-        from .nvfp4 import NVFP4
-
-        return None if shape is None else NVFP4.for_shape(shape)
-    if granularity == "tensor":
-        return PerTensor()
-    if granularity == "row":
-        return PerRow()
-    if granularity == "block":
-        return Block(int(block[0]), int(block[1]))
-    if granularity in INT8_GRANULARITIES:
-        from .comfy_int8 import DEFAULT_CONVROT
-        from .int8_layout import Int8
-
-        return Int8(False) if granularity == "int8 tensor" else Int8(True, DEFAULT_CONVROT, True)
-    raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
+    if granularity not in LAYOUT_GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
+    return layout_for(granularity, block, shape)
 
 
 def keep_reason(name: str, keep: Iterable[str]) -> str | None:
@@ -180,9 +163,7 @@ class QuantizeReport:
 def fit_layout(layout, shape, fp8_dtype) -> tuple[object, torch.dtype]:
     """(layout, data dtype) for one weight of `shape`: int8 layouts store int8 and drop a rotation
     whose block does not divide in_features; FP8 layouts are returned as they are."""
-    from .int8_layout import Int8
-
-    if not isinstance(layout, Int8):
+    if layout.family != "int8":
         return layout, fp8_dtype
     if layout.rotation and (len(shape) != 2 or shape[1] % layout.rotation):
         layout = Int8(layout.per_row)
@@ -190,15 +171,11 @@ def fit_layout(layout, shape, fp8_dtype) -> tuple[object, torch.dtype]:
 
 
 def data_dtype_name(layout, fp8_dtype) -> str:
-    from .int8_layout import Int8
-
-    return "int8" if isinstance(layout, Int8) else str(fp8_dtype).removeprefix("torch.")
+    return "int8" if layout.family == "int8" else str(fp8_dtype).removeprefix("torch.")
 
 
 def quantize_weight(w: torch.Tensor, layout, fp8_dtype, *, orig_dtype=None, stochastic_rounding=None, config=None):
     """One weight -> (QuantizedTensor, SQNR dB against the float64 original)."""
-    from .tensor import QuantizedTensor
-
     layout, fp8_dtype = fit_layout(layout, tuple(w.shape), fp8_dtype)
     qt = QuantizedTensor.from_float(w, layout, fp8_dtype=fp8_dtype, stochastic_rounding=stochastic_rounding)
     if orig_dtype is not None and qt.orig_dtype != orig_dtype:

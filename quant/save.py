@@ -10,12 +10,12 @@ Encoding of a `QuantizedTensor` weight `<layer>.weight`:
 - per row / block-wise: `.weight` + `.weight_scale` shaped `[out, 1]` or `[ceil(out/r), ceil(in/c)]`
   and `quantization_config` metadata with the block size. Stock ComfyUI cannot apply these scales
   (`SaveResult.stock_comfy_readable` is False); this pack's reader (`formats.load_file`) can.
-- MXFP8 (`quant.mxfp8.MXFP8`): ComfyUI 0.29's own per-layer "mxfp8" form, which 0.29 loads as it
+- MXFP8 (`quant.layouts.mxfp8.MXFP8`): ComfyUI 0.29's own per-layer "mxfp8" form, which 0.29 loads as it
   loads its own files: `.weight` (e4m3fn, zero-padded to multiples of 32 both ways), `.weight_scale`
   (UE8M0 bytes, F8_E8M0, in cuBLAS's 128x4 tiled order), `.comfy_quant` `{"format": "mxfp8"}`. Per-tensor
   layers in the same file get their `.comfy_quant` too, so 0.29 reads every layer. ComfyUI 0.3.75 has
   no MXFP8: a file for it must be quantized per tensor (the notes say so).
-- NVFP4 (`quant.nvfp4.NVFP4`): ComfyUI's own per-layer "nvfp4" form: `.weight` (uint8, packed e2m1,
+- NVFP4 (`quant.layouts.nvfp4.NVFP4`): ComfyUI's own per-layer "nvfp4" form: `.weight` (uint8, packed e2m1,
   padded to multiples of 16), `.weight_scale` (e4m3 block scales, tiled), `.weight_scale_2` (f32 []),
   `.comfy_quant` `{"format": "nvfp4"}`; 0.29 and newer read it.
 Other tensors are written as they are. Writes stream tensor by tensor into a temporary file in the
@@ -38,7 +38,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from .formats import ST_NAMES
+from .layouts import is_layout, mxfp8, nvfp4
+from .layouts import comfy_int8
+from .safetensors_file import ST_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +52,16 @@ def is_quantized(t) -> bool:
 
 
 def layout_kind(layout) -> tuple[str, tuple[int, int] | None]:
-    name = type(layout).__name__
-    if name == "MXFP8":  # a Block(1, 32) with power-of-two scales, stored in 0.29's own form
-        return "mxfp8", None
-    if name == "NVFP4":  # packed 4-bit data, stored in ComfyUI's own form
-        return "nvfp4", None
-    if name == "PerTensor":
-        return "tensor", None
-    if name == "PerRow":
-        return "row", None
-    if name == "Block":
-        return "block", (int(layout.rows), int(layout.cols))
-    if name == "Int8":  # written in ComfyUI 0.33's int8_tensorwise form (comfy_int8.py)
-        return "int8", None
-    raise ValueError(f"unknown QuantizedTensor layout {layout!r}; expected PerTensor, PerRow, Block or MXFP8")
+    """(kind, block) of a layout as files and reports name it: "tensor", "row", "block" (with its block),
+    "mxfp8" (0.29's own form), "nvfp4" (ComfyUI's form), "int8" (0.33's int8_tensorwise form)."""
+    if not is_layout(layout):
+        raise ValueError(f"unknown QuantizedTensor layout {layout!r}; expected PerTensor, PerRow, Block or MXFP8")
+    kind = _KIND_BY_NAME.get(layout.name, layout.name)
+    return kind, ((int(layout.rows), int(layout.cols)) if kind == "block" else None)
+
+
+# layout names -> the kinds a file's summary uses (the others are the same word)
+_KIND_BY_NAME = {"per_tensor": "tensor", "per_row": "row"}
 
 
 @dataclass
@@ -348,14 +346,9 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
         kind, block = kinds[key]
         g = kind if block is None else f"block {block[0]}x{block[1]}"
         grans[g] = grans.get(g, 0) + 1
-        if kind == "mxfp8":
-            _add_mxfp8(add, layer, key, qt_of, shape, has_in)
-            continue
-        if kind == "int8":
-            _add_int8(add, layer, key, qt_of, shape, layout)
-            continue
-        if kind == "nvfp4":
-            _add_nvfp4(add, layer, key, qt_of, layout)
+        own_form = _OWN_FORMS.get(kind)
+        if own_form is not None:  # a layout written in a per-layer form of its own
+            own_form(add, layer, key, qt_of, shape, layout, has_in)
             continue
         add(key, (lambda k=key: qt_of(k).qdata), fp8, shape)
         if legacy_dtype is not None:
@@ -404,10 +397,10 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
     return entries, producers, metadata, info
 
 
-def _add_mxfp8(add, layer: str, key: str, qt_of, shape, has_in: bool) -> None:
+def _add_mxfp8(add, layer: str, key: str, qt_of, shape, layout, has_in: bool) -> None:
     """The entries of one MXFP8 layer in 0.29's form (see the module docstring)."""
-    from .mxfp8 import BLOCK, file_tensors, padded_shape, padded_weight_shape, scales_for_file
-
+    BLOCK, file_tensors, padded_shape = mxfp8.BLOCK, mxfp8.file_tensors, mxfp8.padded_shape
+    padded_weight_shape, scales_for_file = mxfp8.padded_weight_shape, mxfp8.scales_for_file
     if len(shape) != 2:
         raise ValueError(f"MXFP8 weight '{key}' has shape {list(shape)}; expected [out, in]")
     wshape = padded_weight_shape(shape)
@@ -429,10 +422,9 @@ def _add_mxfp8(add, layer: str, key: str, qt_of, shape, has_in: bool) -> None:
     add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
 
 
-def _add_int8(add, layer: str, key: str, qt_of, shape, layout) -> None:
+def _add_int8(add, layer: str, key: str, qt_of, shape, layout, has_in: bool) -> None:
     """The entries of one Int8 layer in ComfyUI 0.33's int8_tensorwise form (`comfy_int8.file_tensors`)."""
-    from .comfy_int8 import comfy_quant_bytes, file_form, file_tensors
-
+    comfy_quant_bytes, file_form, file_tensors = comfy_int8.comfy_quant_bytes, comfy_int8.file_form, comfy_int8.file_tensors
     if len(shape) != 2:
         raise ValueError(f"int8 weight '{key}' has shape {list(shape)}; expected [out, in]")
     _, conf, sshape = file_form(layout, shape)
@@ -451,11 +443,9 @@ def _add_int8(add, layer: str, key: str, qt_of, shape, layout) -> None:
     add(layer + ".comfy_quant", (lambda b=blob: b.clone()), torch.uint8, (blob.numel(),))
 
 
-def _add_nvfp4(add, layer: str, key: str, qt_of, layout) -> None:
-    """The entries of one NVFP4 layer in ComfyUI's form (see the module docstring and quant/nvfp4.py)."""
-    from .mxfp8 import padded_shape
-    from .nvfp4 import file_tensors
-
+def _add_nvfp4(add, layer: str, key: str, qt_of, shape, layout, has_in: bool) -> None:
+    """The entries of one NVFP4 layer in ComfyUI's form (see the module docstring and layouts/nvfp4.py)."""
+    padded_shape, file_tensors = mxfp8.padded_shape, nvfp4.file_tensors
     def part(name, k=key):
         return file_tensors(qt_of(k))[name]
 
@@ -466,6 +456,9 @@ def _add_nvfp4(add, layer: str, key: str, qt_of, layout) -> None:
     blob = json.dumps({"format": "nvfp4"}).encode("utf-8")
     add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
 
+
+# kinds written in a per-layer form of their own (the others: data, `.weight_scale`, `.input_scale`)
+_OWN_FORMS = {"mxfp8": _add_mxfp8, "int8": _add_int8, "nvfp4": _add_nvfp4}
 
 _SOURCE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 _FLOAT_WRITE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

@@ -6,8 +6,8 @@ holds, declared once in ``_TENSOR_FIELDS`` / ``_META_FIELDS``:
     qdata        FP8 data (float8_e4m3fn or float8_e5m2) in the canonical [out, in] orientation
     scale        float32, shape given by the layout (dequantize multiplies by it)
     input_scale  float32 [] or None (static activation scale for the fp8 x fp8 path)
-    layout       PerTensor() | PerRow() | Block(r, c) | NVFP4(rows, cols)
-                 (NVFP4 keeps packed 4-bit uint8 data and its scales as bytes: see nvfp4.py)
+    layout       a layout of the registry (``layouts``): PerTensor() | PerRow() | Block(r, c) |
+                 MXFP8() | NVFP4(rows, cols) (packed 4-bit data, scales as bytes) | Int8(...)
     orig_dtype   logical dtype
     config       ComputeConfig or None (per weight, i.e. per model; never on the class)
     transposed   True after .t(): the logical tensor is qdata's transpose (no data moved)
@@ -23,54 +23,28 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import threading
 from pathlib import Path
 
 import torch
 from torch.utils._pytree import tree_map
 
 from .config import ComputeConfig
-from .layouts import (
-    Block,
-    PerRow,
-    PerTensor,
-    QuantizationError,
-    check_fp8_dtype,
-)
-from .int8_layout import Int8
-from .nvfp4 import NVFP4
+from .errors import QuantizationError
+from .kernels.ops import kernel_entry_points
+from .layouts import check_layout as _check_layout
+from .runtime import log_once, tracing
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QuantizedTensor", "log_once", "reset_log_once"]
+__all__ = ["QuantizedTensor", "dequantize_fallback"]
 
 _TENSOR_FIELDS = ("qdata", "scale", "input_scale")  # input_scale may be None
 _META_FIELDS = ("layout", "orig_dtype", "config", "transposed")
-_LAYOUT_TYPES = (PerTensor, PerRow, Block, Int8, NVFP4)  # Int8: int8 qdata (int8_layout.py)
 _ORIG_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Filled by dispatch.py: aten overload -> handler(func, args, kwargs); callable -> handler(args, kwargs)
 ATEN_OPS: dict = {}
 TORCH_FUNCTIONS: dict = {}
-
-_logged: set = set()
-_log_lock = threading.Lock()
-
-
-def log_once(key, level: int, msg: str, *args) -> None:
-    """Log ``msg`` the first time ``key`` is seen in this process."""
-    with _log_lock:
-        if key in _logged:
-            return
-        _logged.add(key)
-    logger.log(level, msg, *args)
-
-
-def reset_log_once() -> None:
-    """Forget which messages were logged (tests use it to observe the once-only log)."""
-    with _log_lock:
-        _logged.clear()
-
 
 def _contiguous_strides(shape) -> tuple:
     strides, acc = [], 1
@@ -101,9 +75,7 @@ class QuantizedTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, qdata, scale, layout, orig_dtype, input_scale=None, config=None,
                 transposed=False):
-        shape = tuple(qdata.shape)
-        if isinstance(layout, NVFP4):  # packed data: the layout holds the logical shape
-            shape = layout.shape
+        shape = layout.logical_shape(qdata.shape)  # packed data (NVFP4): the layout holds it
         if transposed:
             shape = shape[::-1]
         return torch.Tensor._make_wrapper_subclass(
@@ -157,8 +129,8 @@ class QuantizedTensor(torch.Tensor):
                 f"{getattr(w, 'dtype', type(w).__name__)}"
             )
         _check_layout(layout)
-        if not isinstance(layout, NVFP4):  # NVFP4's data type is fixed (e2m1)
-            _check_data_dtype(layout, fp8_dtype, "fp8_dtype")
+        if not layout.packed:  # a packed layout's data type is fixed (NVFP4: e2m1)
+            layout.check_data_dtype(fp8_dtype, "fp8_dtype")
         if w.dim() == 0:
             raise QuantizationError("from_float needs at least a 1-D tensor, got a scalar")
         if not bool(torch.isfinite(w).all()):
@@ -186,14 +158,14 @@ class QuantizedTensor(torch.Tensor):
         _check_layout(layout)
         if not isinstance(qdata, torch.Tensor) or isinstance(qdata, QuantizedTensor):
             raise QuantizationError(f"qdata must be a plain torch.Tensor, got {type(qdata).__name__}")
-        if isinstance(layout, NVFP4):  # packed 4-bit data and byte scales: the layout checks them
+        if layout.packed:  # packed data and byte scales (NVFP4): the layout checks them
             if orig_dtype not in _ORIG_DTYPES:
                 raise QuantizationError(f"orig_dtype must be one of {_ORIG_DTYPES}, got {orig_dtype}")
             if config is not None and not isinstance(config, ComputeConfig):
                 raise QuantizationError(f"config must be a ComputeConfig or None, got {config!r}")
             layout.check_parts(qdata, scale)
             return cls(qdata, scale.to(qdata.device), layout, orig_dtype, None, config)
-        _check_data_dtype(layout, qdata.dtype, "qdata.dtype")
+        layout.check_data_dtype(qdata.dtype, "qdata.dtype")
         if qdata.dim() == 0:
             raise QuantizationError("qdata must have at least one dimension, got a scalar")
         if orig_dtype not in _ORIG_DTYPES:
@@ -285,7 +257,15 @@ class QuantizedTensor(torch.Tensor):
         if not dtype.is_floating_point or dtype.itemsize < 2:
             raise QuantizationError(f"dequantize needs a float dtype of 16 bits or more, got {dtype}")
         with torch.no_grad():
-            w = self._qlayout.dequantize(self.qdata, self.scale, dtype)
+            kernel = self._qlayout.kernel_block(tuple(self.qdata.shape))
+            if kernel is not None and (self.qdata.device.type != "cpu" or tracing()):
+                # one pass in kernels.dequant (Triton on CUDA; the custom op while torch.compile
+                # traces), rounding as the layout's own CPU code does: same bits on every device
+                block, per_tensor = kernel
+                w = kernel_entry_points().dequantize(self.qdata, self.scale, None if per_tensor else block,
+                                                     dtype, per_tensor)
+            else:
+                w = self._qlayout.dequantize(self.qdata, self.scale, dtype)
         return w.t() if self.transposed else w
 
     def with_config(self, config: ComputeConfig | None) -> "QuantizedTensor":
@@ -353,21 +333,6 @@ def _rebuild_quantized_tensor(qdata, scale, input_scale, layout, orig_dtype, con
     return QuantizedTensor(qdata, scale, layout, orig_dtype, input_scale, config, transposed)
 
 
-def _check_data_dtype(layout, dtype, what: str) -> None:
-    if isinstance(layout, Int8):
-        if dtype != torch.int8:
-            raise QuantizationError(f"{what} must be torch.int8 for the Int8 layout, got {dtype}")
-    else:
-        check_fp8_dtype(dtype, what)
-
-
-def _check_layout(layout) -> None:
-    if not isinstance(layout, _LAYOUT_TYPES):
-        raise QuantizationError(
-            f"layout must be PerTensor(), PerRow(), Block(rows, cols) or Int8(...), got {layout!r}"
-        )
-
-
 def _check_scale(scale, what: str) -> torch.Tensor:
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = torch.tensor(float(scale), dtype=torch.float32)
@@ -432,7 +397,7 @@ def dequantize_fallback(func, args, kwargs, quiet: bool = False):
     so the fallback keeps the op's meaning. Logged once per op unless ``quiet``.
     """
     if not quiet:
-        log_once(("fallback", str(func)), logging.WARNING,
+        log_once(logger, ("fallback", str(func)), logging.WARNING,
                  "QuantizedTensor has no quantized kernel for %s; running it on the dequantized "
                  "tensor instead (slower; logged once per op)", func)
 

@@ -1,6 +1,6 @@
 """Kernels for the FP8 paths, each a Triton kernel beside its plain-torch twin, chosen here.
 
-Layouts and ``linear.py`` say *what* is computed; this package says *how*. Every function below
+Layouts and the compute floor (``compute/``) say *what* is computed; this package says *how*. Every function below
 takes the Triton kernel only where it can run (a CUDA tensor, ``import triton`` works, a dtype
 and shape it handles) and otherwise calls the twin, which computes the same thing with torch ops
 (on the CPU, on GPUs without Triton, on other devices).

@@ -5,7 +5,7 @@ plain-torch twin.
 Scales are described by a block shape ``(R, C)`` over the [N, K] weight: per-tensor is one block
 covering everything, per-row ``(1, K)``, ``Block(r, c)`` itself. The rounding is ``numerics``' one
 rule, ``round(float32(q) * float32(scale))`` for every layout and output dtype, as the CPU path in
-``layouts.py`` computes it, so a weight dequantizes to the same bits on every device.
+``layouts/fp8.py`` computes it, so a weight dequantizes to the same bits on every device.
 
 Scales are read per tile, not per element: a tile of the kernel lies in one column block wherever
 the block width is a multiple of the tile width (per-row, per-tensor, 128x128, 1x64), so it loads
@@ -17,35 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from ..layouts.fp8 import dequantize_eager as dequantize_torch  # the twin: the layout's own eager code
 from ._triton import HAS_TRITON, INTERPRET, fp8_bits_to_f32, jit, round_bf16, tl, triton
 
 __all__ = ["dequantize", "dequantize_torch", "dequantize_triton", "native_fp8", "tile_for"]
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _full_scale(scale: torch.Tensor, block, shape) -> torch.Tensor:
-    n, k = shape
-    r, c = block
-    return scale.repeat_interleave(r, 0)[:n].repeat_interleave(c, 1)[:, :k]
-
-
-def dequantize_torch(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype,
-                     per_tensor: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The twin: float32 product, one rounding (see the module docstring)."""
-    s = scale.to(torch.float32)
-    if per_tensor or q.dim() != 2:
-        w = q.to(torch.float32) * s.reshape(())
-    else:
-        n, k = q.shape
-        r, c = block
-        if n % r == 0 and k % c == 0:
-            w = (q.to(torch.float32).view(n // r, r, k // c, c) * s[:, None, :, None]).view(n, k)
-        else:
-            w = q.to(torch.float32) * _full_scale(s, block, (n, k))
-    if out is None:
-        return w.to(dtype)
-    return out.copy_(w)
 
 
 @jit

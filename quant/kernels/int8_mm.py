@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..int8_layout import hadamard, int8_scale, rotate
+from ..layouts.int8 import hadamard, int8_scale, rotate
 from ._triton import HAS_TRITON, INTERPRET, grouped_tile, jit, tl, triton
 
 __all__ = ["quantize_rows_int8", "quantize_rows_int8_torch", "kernel_quantizes", "int8_linear_mm", "int8_linear_mm_torch",

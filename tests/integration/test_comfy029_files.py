@@ -135,7 +135,7 @@ def test_odd_sized_mxfp8_layers_written_by_029_load_at_their_true_size(c29, tmp_
     Model's Linear does) and then holds exactly 0.29's weights: its FP8 bytes without the padding,
     and bit for bit 0.29's dequantized weight in every dtype."""
     from fp8_engram.quant import QuantizedTensor, formats
-    from fp8_engram.quant.mxfp8 import MXFP8, at_shape
+    from fp8_engram.quant.layouts.mxfp8 import MXFP8, at_shape
 
     sd = _odd_sd()
     written, theirs = stock_write(c29, sd, "mxfp8")
@@ -186,7 +186,7 @@ def test_mxfp8_files_the_pack_saves_load_in_029_bit_exactly(c29, tmp_path):
     dequantizes to exactly the pack's weights (MXFP8 in every dtype; per tensor in float32, where the
     math is the same); the pack reads the file back to the same bytes and scales."""
     from fp8_engram.quant import PerTensor, QuantizedTensor, formats, save
-    from fp8_engram.quant.mxfp8 import MXFP8, at_shape
+    from fp8_engram.quant.layouts.mxfp8 import MXFP8, at_shape
 
     sd = _odd_sd()
     state = {k: (QuantizedTensor.from_float(v, MXFP8()) if fp8_files.default_quantize(k, v) else v) for k, v in sd.items()}

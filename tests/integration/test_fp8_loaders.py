@@ -74,7 +74,7 @@ def test_every_format_loads_samples_and_is_close_to_full_precision(comfy, output
     assert summary["layers_quantized"] == summary["layers_total"] == 24
     assert summary["bytes_on_disk"] < summary["bytes_bf16"]
     # "auto" on the CPU: int8 where it has VNNI/AMX (the weights converted at load), else weight-only
-    from fp8_engram.quant.int8 import int8_supported
+    from fp8_engram.quant.compute.int8 import int8_supported
 
     assert ("int8" if int8_supported("cpu") else "weight-only") in summary["compute_path"], summary["compute_path"]
 

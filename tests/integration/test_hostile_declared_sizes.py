@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8_engram.quant import NVFP4, QuantizedTensor, comfy_int8, nvfp4
+from fp8_engram.quant import NVFP4, QuantizedTensor
+from fp8_engram.quant.layouts import comfy_int8, nvfp4
 from helpers import fp8_files
 from helpers.graphs import TINY_UNET, fp8_loader, saved_latent, sd3_txt2img
 
@@ -56,7 +57,7 @@ def _sample(comfy, output_dir, name: str, prefix: str) -> torch.Tensor:
 def _int8_convrot(sd: dict) -> tuple[dict, str]:
     """The state dict with every linear in int8_tensorwise, per channel with ConvRot 256 where the
     inputs allow it (ComfyUI 0.33's form); returns it and a layer that has a ConvRot group."""
-    from fp8_engram.quant.int8 import to_int8
+    from fp8_engram.quant.compute.int8 import to_int8
 
     out, rotated = {}, []
     for key, w in sd.items():

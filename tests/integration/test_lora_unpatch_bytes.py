@@ -60,7 +60,7 @@ def _snapshot(model, kind: str) -> dict:
 
 
 def test_int8_load_converts_every_fp8_layer_and_reports_its_sqnr(comfy_modules, fp8_files):
-    from fp8_engram.quant.int8 import is_int8
+    from fp8_engram.quant.compute.int8 import is_int8
 
     model, ops, fp8 = _load(comfy_modules, fp8_files["int8"], "int8")
     snap = _snapshot(model, "int8")
@@ -80,7 +80,7 @@ def test_int8_load_converts_every_fp8_layer_and_reports_its_sqnr(comfy_modules, 
 def test_unpatching_a_lora_restores_the_bytes_and_scales_exactly(comfy_modules, fp8_files, kind, inplace, mode):
     comfy_sd, _ = comfy_modules
     from fp8_engram.quant import QuantizedTensor, linear
-    from fp8_engram.quant.int8 import int8_linear
+    from fp8_engram.quant.compute.int8 import int8_linear
 
     _, compute_path, floor = KINDS[kind]
     base, _, _ = _load(comfy_modules, fp8_files[kind], compute_path)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fp8_engram.quant import QuantizedTensor, layouts
+from fp8_engram.quant import runtime
 from fp8_engram.quant.quantize_model import quantize_state_dict
 from helpers import fp8_files
 from helpers.host import comfy_in_process
@@ -56,14 +57,14 @@ def run_quantized_linears(model) -> int:
 
 
 def workspace_bytes() -> int:
-    bufs = getattr(layouts._workspace, "bufs", None) or {}
+    bufs = getattr(runtime._workspace, "bufs", None) or {}
     return sum(b.numel() * b.element_size() for b in bufs.values())
 
 
 def assert_unload_releases_workspace(mm, model) -> None:
     """Running the model's FP8 linears fills this thread's workspace; ComfyUI's unload empties it."""
     mm.load_models_gpu([model])
-    layouts.release_workspace()
+    runtime.release_workspace()
     assert run_quantized_linears(model) > 0 and workspace_bytes() > 0
     mm.unload_all_models()
     assert workspace_bytes() == 0

@@ -32,7 +32,7 @@ NAME = "mxfp8_tiny_sd3.safetensors"
 
 def _pack_written(sd: dict) -> dict:
     from fp8_engram.quant import QuantizedTensor
-    from fp8_engram.quant.mxfp8 import MXFP8, scales_for_file
+    from fp8_engram.quant.layouts.mxfp8 import MXFP8, scales_for_file
 
     out = {}
     for key, w in sd.items():

@@ -49,7 +49,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_every_layer_dequantizes_like_comfy_kitchen(stock, tmp_path):
-    from fp8_engram.quant import NVFP4, QuantizedTensor, nvfp4
+    from fp8_engram.quant import NVFP4, QuantizedTensor
+    from fp8_engram.quant.layouts import nvfp4
     from fp8_engram.quant.formats import load_file as pack_load
 
     qo, ops, ck = stock

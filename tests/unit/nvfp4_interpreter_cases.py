@@ -16,7 +16,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fp8_engram.quant import NVFP4, QuantizedTensor, nvfp4  # noqa: E402
+from fp8_engram.quant import NVFP4, QuantizedTensor  # noqa: E402
+from fp8_engram.quant.layouts import nvfp4  # noqa: E402
 from fp8_engram.quant.kernels import nvfp4_gemm  # noqa: E402
 from fp8_engram.quant.kernels._triton import INTERPRET  # noqa: E402
 

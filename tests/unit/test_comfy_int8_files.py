@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from fp8_engram.quant import ComputeConfig, linear
-from fp8_engram.quant import comfy_int8, formats
-from fp8_engram.quant.int8 import is_int8
+from fp8_engram.quant import formats
+from fp8_engram.quant.layouts import comfy_int8
+from fp8_engram.quant.compute.int8 import is_int8
 
 pytestmark = pytest.mark.unit
 
@@ -150,7 +151,7 @@ def test_missing_asym_scale_is_named(tmp_path):
 
 
 def test_written_int8_tensorwise_reads_back_exactly():
-    from fp8_engram.quant.int8 import to_int8
+    from fp8_engram.quant.compute.int8 import to_int8
 
     g = torch.Generator().manual_seed(7)
     w = torch.randn(16, 512, generator=g)
@@ -193,7 +194,7 @@ def test_converter_writes_comfyuis_int8_tensorwise_form(tmp_path, granularity, c
 
 def test_int8_weights_of_any_rotation_save_in_comfyuis_form(tmp_path):
     from fp8_engram.quant import save
-    from fp8_engram.quant.int8 import to_int8
+    from fp8_engram.quant.compute.int8 import to_int8
 
     g = torch.Generator().manual_seed(9)
     w = torch.randn(24, 512, generator=g)

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from fp8_engram.quant import ComputeConfig, formats, linear, save
-from fp8_engram.quant.int8 import is_int8
+from fp8_engram.quant.compute.int8 import is_int8
 from helpers.kitchen import kitchen_dir, write_asym_file
 from helpers.numerics import sqnr
 

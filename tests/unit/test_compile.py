@@ -28,19 +28,23 @@ import torch.nn.functional as F
 from torch._dynamo.testing import InductorAndRecordGraphs
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from fp8_engram.quant import MXFP8, Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, custom_ops, layouts
+from fp8_engram.quant import MXFP8, Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, layouts
+from fp8_engram.quant import runtime
+from fp8_engram.quant.kernels import ops as custom_ops
 from fp8_engram.quant import linear as quant_linear
-from fp8_engram.quant.tensor import reset_log_once
+from fp8_engram.quant.runtime import reset_log_once
 from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
-lin = importlib.import_module("fp8_engram.quant.linear")
+lin = importlib.import_module("fp8_engram.quant.compute.linear")
+
+sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
 
 LAYOUTS = {"per_tensor": PerTensor(), "per_row": PerRow(), "block128": Block(128, 128),
            "mxfp8": MXFP8()}
 CPU = torch.device("cpu")
-HAS_CPU_SCALED_MM = lin.scaled_mm_api(CPU) is not None
+HAS_CPU_SCALED_MM = sm.scaled_mm_api(CPU) is not None
 NO_CPU_SCALED_MM = f"torch {torch.__version__} has no CPU scaled-matmul kernel"
 HAS_CUDA = torch.cuda.is_available()
 MARGIN_DB = 1.0
@@ -134,7 +138,7 @@ def test_fullgraph_chain_equals_eager(layout, path, caplog, fresh_graphs):
     assert not [r for r in caplog.records if "no quantized kernel" in r.getMessage()
                 or "failed" in r.getMessage()]
     fp8_taken = path == "fp8" and (layout in ("per_tensor", "per_row")
-                                   or (layout == "block128" and lin.blockwise_supported(CPU)))
+                                   or (layout == "block128" and sm.blockwise_supported(CPU)))
     # the fp8 product is the custom op in the compiled graph; weight-only CPU code is plain torch
     assert (f"{custom_ops.NAMESPACE}.scaled_mm.default" in _pack_ops(backend)) == fp8_taken
 
@@ -173,14 +177,14 @@ def test_compile_after_eager_and_twice_keeps_eager_caches(path):
     model = Chain(PerTensor(), ComputeConfig(path=path), sizes=sizes)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, sizes[0], generator=g).to(torch.bfloat16)
-    layouts.release_workspace()
+    runtime.release_workspace()
     with torch.inference_mode():
         eager = model(x)
         for _ in range(2):  # a second compile gets a new fake mode: nothing of the first may leak
             compiled, _ = _compile(model)
             assert torch.equal(compiled(x), eager)
         assert torch.equal(model(x), eager)
-    bufs = layouts._workspace.bufs
+    bufs = runtime._workspace.bufs
     if path == "weight_only":
         assert ("weight_only", torch.bfloat16) in bufs and ("pair_lut_index", torch.int32) in bufs
     else:
@@ -298,8 +302,8 @@ def test_cuda_fullgraph_keeps_the_fused_kernels(layout, path, fresh_graphs):
     # the ops run the same kernels as eager; inductor may only fuse the glue around them
     assert sqnr(ref, out) >= sqnr(ref, eager) - MARGIN_DB
     ops = _pack_ops(backend)
-    fp8 = path == "auto" and lin.fp8_supported(dev) and (
-        layout != "block128" or lin.blockwise_supported(dev))
+    fp8 = path == "auto" and sm.fp8_supported(dev) and (
+        layout != "block128" or sm.blockwise_supported(dev))
     if fp8:
         want = "quantize_groups" if layout == "block128" else "quantize_rows"
         assert {f"fp8_engram.{want}.default", "fp8_engram.scaled_mm.default"} <= ops, ops

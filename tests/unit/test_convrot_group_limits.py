@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fp8_engram.quant import int8_layout
+from fp8_engram.quant.layouts import int8 as int8_layout
 from fp8_engram.quant.formats import FormatError, load_file
 
 pytestmark = pytest.mark.unit

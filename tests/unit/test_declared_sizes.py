@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fp8_engram.quant import ComputeConfig, NVFP4, QuantizedTensor, mxfp8, nvfp4
+from fp8_engram.quant import ComputeConfig, NVFP4, QuantizedTensor
+from fp8_engram.quant.layouts import mxfp8, nvfp4
 from fp8_engram.quant.formats import FormatError, load_file
 
 pytestmark = pytest.mark.unit

@@ -15,12 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, QuantizedTensor
-from fp8_engram.quant.tensor import reset_log_once
+from fp8_engram.quant.runtime import reset_log_once
 from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
-lin = importlib.import_module("fp8_engram.quant.linear")
+lin = importlib.import_module("fp8_engram.quant.compute.linear")
+
+sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
+
+fails = importlib.import_module("fp8_engram.quant.compute.failures")
 FP8 = ComputeConfig(path="fp8")
 CPU = torch.device("cpu")
 
@@ -28,12 +32,12 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def api(monkeypatch):
     """The CPU's scaled-matmul API name, with every remembered answer of linear.py cleared."""
-    name = lin.scaled_mm_api(CPU)
+    name = sm.scaled_mm_api(CPU)
     if name is None:
         pytest.skip(f"torch {torch.__version__} has no scaled matmul with a CPU kernel")
-    monkeypatch.setattr(lin, "_needs", {})
-    monkeypatch.setattr(lin, "_fp8_failed", set())
-    monkeypatch.setattr(lin, "_blockwise_for", {})
+    monkeypatch.setattr(sm, "_needs", {})
+    monkeypatch.setattr(fails, "fp8_failed", set())
+    monkeypatch.setattr(sm, "_blockwise_for", {})
     reset_log_once()
     return name
 
@@ -46,13 +50,13 @@ def _data(out_f=96, in_f=192, tokens=24):
 
 
 def _install(monkeypatch, name, fn):
-    real, seen = lin.SCALED_MM_APIS[name], []
+    real, seen = sm.SCALED_MM_APIS[name], []
 
     def wrapped(a, b, sa, sb, bias, out_dtype):
         seen.append(out_dtype)
         return fn(real, a, b, sa, sb, bias, out_dtype)
 
-    monkeypatch.setitem(lin.SCALED_MM_APIS, name, wrapped)
+    monkeypatch.setitem(sm.SCALED_MM_APIS, name, wrapped)
     return seen
 
 
@@ -101,7 +105,7 @@ def test_out_of_memory_is_never_remembered(api, monkeypatch, caplog):
         y1 = F.linear(x.half(), qt)  # ran weight-only
         y2 = F.linear(x.half(), qt)  # fp8 again, in fp16
     assert seen == [torch.float16, torch.float16]
-    assert not lin._fp8_failed and not lin._needs
+    assert not fails.fp8_failed and not sm._needs
     ref = F.linear(x.double(), w.double())
     assert sqnr(ref, y1) >= 30 and sqnr(ref, y2) >= 27
 
@@ -125,7 +129,7 @@ def test_a_dtype_refusal_is_remembered_for_that_scaling_only(api, monkeypatch):
     F.linear(x, row)
     assert seen == [torch.float16, torch.bfloat16, torch.bfloat16]
     block = QuantizedTensor.from_float(w, Block(128, 128), config=FP8)
-    assert lin.blockwise_form(CPU) is not None
+    assert sm.blockwise_form(CPU) is not None
     seen.clear()
     y = F.linear(x, block)
     assert seen == [torch.float16], "a block-wise call inherited the row-wise kernel's limit"
@@ -181,8 +185,8 @@ def _blockwise_emulator(reads: str):
                                         ("ignores", None)])
 def test_the_probe_picks_the_scale_form_that_computes_right(api, monkeypatch, reads, form):
     _install(monkeypatch, api, _blockwise_emulator(reads))
-    assert lin._PROBE_N > 128 and (lin._PROBE_K // 128) % 4 != 0
-    assert lin.blockwise_form(CPU) == form
+    assert sm._PROBE_N > 128 and (sm._PROBE_K // 128) % 4 != 0
+    assert sm.blockwise_form(CPU) == form
 
 
 @pytest.mark.parametrize("reads", ["strides", "padded", "ignores"])
@@ -218,7 +222,7 @@ def test_a_failing_weight_only_gemm_falls_back_to_dequantize_once(monkeypatch):
     """A fused weight-only GEMM that cannot run on a GPU (no config of its table fits) fails once per
     kind: that call and later ones dequantize and use cuBLAS, nothing raises, nothing is retried."""
     kernels = importlib.import_module("fp8_engram.quant.kernels")
-    monkeypatch.setattr(lin, "_wo_failed", set())
+    monkeypatch.setattr(fails, "wo_failed", set())
     w, x = _data()
     q = QuantizedTensor.from_float(w.cuda(), PerRow())
     calls = []
@@ -232,4 +236,4 @@ def test_a_failing_weight_only_gemm_falls_back_to_dequantize_once(monkeypatch):
     for _ in range(3):
         got = lin.linear(x.cuda(), q, None, ComputeConfig(path="weight_only"))
         assert torch.equal(got, want)
-    assert len(calls) == 1 and len(lin._wo_failed) == 1
+    assert len(calls) == 1 and len(fails.wo_failed) == 1

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from fp8_engram.quant import ComputeConfig, PerRow, PerTensor, QuantizationError, QuantizedTensor, linear
-from fp8_engram.quant import int8 as qint8
-from fp8_engram.quant.int8_layout import Int8, hadamard
+from fp8_engram.quant.compute import int8 as qint8
+from fp8_engram.quant.layouts.int8 import Int8, hadamard
 from fp8_engram.quant.kernels import int8_mm
 from helpers.numerics import sqnr
 
@@ -211,8 +211,10 @@ def test_a_failing_int8_kernel_falls_back_to_weight_only_and_is_not_retried(monk
     Out of memory is this call's only."""
     import importlib
 
-    lin = importlib.import_module("fp8_engram.quant.linear")
-    monkeypatch.setattr(lin, "_int8_failed", set())
+    lin = importlib.import_module("fp8_engram.quant.compute.linear")
+
+    fails = importlib.import_module("fp8_engram.quant.compute.failures")
+    monkeypatch.setattr(fails, "int8_failed", set())
     w8 = qint8.to_int8(weight(16, 128))
     x = torch.randn(4, 128)
     calls = []
@@ -225,11 +227,11 @@ def test_a_failing_int8_kernel_falls_back_to_weight_only_and_is_not_retried(monk
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB")
     for _ in range(2):
         assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), F.linear(x, w8.dequantize()))
-    assert len(calls) == 2 and not lin._int8_failed
+    assert len(calls) == 2 and not fails.int8_failed
     error = RuntimeError("no int8 kernel here")
     for _ in range(3):
         assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), F.linear(x, w8.dequantize()))
-    assert len(calls) == 3 and len(lin._int8_failed) == 1
+    assert len(calls) == 3 and len(fails.int8_failed) == 1
     # another activation dtype is another kind: tried
     linear(x.bfloat16(), w8, None, ComputeConfig(path="int8"))
     assert len(calls) == 4

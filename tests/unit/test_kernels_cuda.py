@@ -13,13 +13,14 @@ import torch.nn.functional as F
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, fp8_supported
 from fp8_engram.quant import kernels
 from fp8_engram.quant.kernels import act_quant, dequant, weight_only_gemm
-from fp8_engram.quant.tensor import reset_log_once
+from fp8_engram.quant.runtime import reset_log_once
 from helpers.numerics import sqnr
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_supported(torch.device("cuda"))
-quant_linear = importlib.import_module("fp8_engram.quant.linear")
+quant_linear = importlib.import_module("fp8_engram.quant.compute.linear")
+sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
 needs_fp8 = pytest.mark.skipif(not HAS_FP8_GPU,
                                reason="needs a CUDA GPU with FP8 matrix units (capability 8.9+)")
 needs_triton = pytest.mark.skipif(not kernels.HAS_TRITON, reason="needs triton on the CUDA machine")
@@ -124,7 +125,7 @@ def test_cuda_block_weights_use_block_scaling_where_torch_has_it(caplog):
         assert sqnr(ref, y.cpu()) >= 27.0
     wants = quant_linear._wants_fp8(x.cuda(), QuantizedTensor.from_float(w, Block(128, 128)).to("cuda"),
                                     ComputeConfig())
-    assert wants == quant_linear.blockwise_supported(torch.device("cuda"))
+    assert wants == sm.blockwise_supported(torch.device("cuda"))
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
 
 
@@ -184,7 +185,7 @@ def test_cuda_block_weights_at_real_layer_shapes_match_the_dequantized_product(c
     qt = QuantizedTensor.from_float(w, Block(128, 128), config=ComputeConfig(path="fp8")).to("cuda")
     with caplog.at_level(logging.WARNING):
         y = F.linear(x.cuda(), qt)
-    form = quant_linear.blockwise_form(torch.device("cuda"))
+    form = sm.blockwise_form(torch.device("cuda"))
     # the product of what was quantized: activation groups and weight blocks, in float64
     xq, sa = act_quant.quantize_groups_torch(x.cuda())
     xd = xq.double() * sa.double().repeat_interleave(128, 1)

@@ -2,7 +2,7 @@
 cuBLAS's 128 x 4 tiled order.
 
 The file builder here writes the tiled order with plain loops from its definition (independent of
-quant/mxfp8.py's reshapes), so a wrong permutation cannot pass. Thresholds: MXFP8 dequantization of
+quant/layouts/mxfp8.py's reshapes), so a wrong permutation cannot pass. Thresholds: MXFP8 dequantization of
 gaussian weights >= 28 dB vs float64 (power-of-two scales waste up to one binade: measured ~31 dB),
 weight-only linear >= 28 dB.
 """
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from fp8_engram.quant import PerTensor, QuantizedTensor, formats
-from fp8_engram.quant.mxfp8 import MXFP8, e8m0_to_float32, float32_to_e8m0, scales_from_file, swizzle, unswizzle
+from fp8_engram.quant.layouts.mxfp8 import MXFP8, e8m0_to_float32, float32_to_e8m0, scales_from_file, swizzle, unswizzle
 
 pytestmark = pytest.mark.unit
 
@@ -122,7 +122,7 @@ def test_quantize_dequantize_and_weight_only_linear_sqnr():
     ref = F.linear(x.double(), w.double())
     assert sqnr(ref, F.linear(x, qt)) >= 28.0
     # and the tiled file form reproduces the same scales
-    from fp8_engram.quant.mxfp8 import scales_for_file
+    from fp8_engram.quant.layouts.mxfp8 import scales_for_file
 
     assert torch.equal(scales_from_file(scales_for_file(qt.scale), qt.qdata.shape), qt.scale)
     with pytest.raises(ValueError, match="e4m3fn"):
@@ -169,7 +169,7 @@ def padded_file_form(w: torch.Tensor):
 
 @pytest.mark.parametrize("shape", [(50, 70), (33, 64), (64, 45), (1, 1), (130, 200)])
 def test_odd_sized_layer_is_cut_to_the_model_size_without_changing_a_value(tmp_path, shape):
-    from fp8_engram.quant.mxfp8 import at_shape, padded_weight_shape
+    from fp8_engram.quant.layouts.mxfp8 import at_shape, padded_weight_shape
 
     g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
     w = torch.randn(*shape, generator=g) * 0.05
@@ -199,7 +199,7 @@ def test_saved_mxfp8_layers_are_in_029_form_and_load_back_bit_exactly(tmp_path, 
     from safetensors import safe_open
 
     from fp8_engram.quant import save
-    from fp8_engram.quant.mxfp8 import at_shape, padded_weight_shape
+    from fp8_engram.quant.layouts.mxfp8 import at_shape, padded_weight_shape
 
     g = torch.Generator().manual_seed(sum(shape))
     w = (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)

@@ -64,7 +64,7 @@ def test_dequantization_rounds_once(layout, dtype):
 def test_dequantization_into_a_given_buffer_in_chunks(monkeypatch):
     """The CPU path works through row chunks of a reused float32 buffer: chunk edges inside the
     weight, blocks that straddle nothing, and the caller's output buffer."""
-    from fp8_engram.quant import layouts
+    from fp8_engram.quant.layouts import fp8 as layouts
 
     monkeypatch.setattr(layouts, "_DEQUANT_CHUNK_ELEMS", 3000)
     g = torch.Generator().manual_seed(3)

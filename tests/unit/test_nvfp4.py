@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from fp8_engram.quant import NVFP4, QuantizationError, QuantizedTensor, linear, nvfp4
+from fp8_engram.quant import NVFP4, QuantizationError, QuantizedTensor, linear
+from fp8_engram.quant.layouts import nvfp4
 from fp8_engram.quant.formats import FormatError, load_file
-from fp8_engram.quant.mxfp8 import unswizzle
+from fp8_engram.quant.layouts.mxfp8 import unswizzle
 from fp8_engram.quant.save import plan_tensors
 
 pytestmark = pytest.mark.unit
@@ -78,7 +79,8 @@ def test_file_form_round_trips_and_scales_are_tiled(shape):
     assert ft["weight_scale_2"].dtype == torch.float32 and ft["weight_scale_2"].dim() == 0
     block, _ = nvfp4.split_scales(qt.scale, qt.layout)
     assert torch.equal(unswizzle(ft["weight_scale"].view(torch.uint8), rows, cols // 16), block.view(torch.uint8))
-    back = nvfp4.at_shape(nvfp4.from_file(ft["weight"], ft["weight_scale"], ft["weight_scale_2"]), shape)
+    layout, scale = nvfp4.scales_from_file(ft["weight_scale"], ft["weight_scale_2"], ft["weight"].shape)
+    back = nvfp4.at_shape(QuantizedTensor.from_parts(ft["weight"], scale, layout, orig_dtype=qt.orig_dtype), shape)
     assert tuple(back.shape) == shape
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         assert torch.equal(back.dequantize(dt), qt.dequantize(dt))

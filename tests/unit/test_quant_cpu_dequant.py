@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8_engram.quant import Block, PerRow, PerTensor, QuantizationError, QuantizedTensor
+from fp8_engram.quant import runtime
 from fp8_engram.quant import layouts
 from fp8_engram.quant import linear as qlinear
 
@@ -52,9 +53,9 @@ def test_weight_only_linear_reuses_one_buffer_and_matches_fresh_dequantization(l
     ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
     with ctx:
         ya = qlinear(x, a)
-        ptr = layouts.workspace("weight_only", a.qdata.numel(), torch.float32).data_ptr()
+        ptr = runtime.workspace("weight_only", a.qdata.numel(), torch.float32).data_ptr()
         yb = qlinear(x, b)
-        assert layouts.workspace("weight_only", b.qdata.numel(), torch.float32).data_ptr() == ptr
+        assert runtime.workspace("weight_only", b.qdata.numel(), torch.float32).data_ptr() == ptr
     # results are exact, and the first output is not disturbed by the buffer's reuse
     assert torch.equal(ya, F.linear(x, a.dequantize(torch.float32)))
     assert torch.equal(yb, F.linear(x, b.dequantize(torch.float32)))
@@ -83,7 +84,7 @@ def test_each_thread_has_its_own_buffer():
     def work(name):
         with torch.inference_mode():
             results[name] = qlinear(x, qt)
-        ptrs[name] = layouts.workspace("weight_only", qt.qdata.numel(), torch.float32).data_ptr()
+        ptrs[name] = runtime.workspace("weight_only", qt.qdata.numel(), torch.float32).data_ptr()
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
     for t in threads:
@@ -97,7 +98,7 @@ def test_each_thread_has_its_own_buffer():
 def test_release_workspace_frees_the_buffers():
     with torch.inference_mode():
         qlinear(torch.randn(2, 1024), _qt(PerTensor()))
-    assert layouts._workspace.bufs
-    layouts.release_workspace()
-    assert layouts._workspace.bufs == {}
-    assert layouts.workspace("weight_only", 1 << 20, torch.float32).numel() == 1 << 20
+    assert runtime._workspace.bufs
+    runtime.release_workspace()
+    assert runtime._workspace.bufs == {}
+    assert runtime.workspace("weight_only", 1 << 20, torch.float32).numel() == 1 << 20

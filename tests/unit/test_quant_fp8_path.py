@@ -10,12 +10,14 @@ import torch.nn.functional as F
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, fp8_supported
 from fp8_engram.quant import linear as quant_linear
-from fp8_engram.quant.tensor import reset_log_once
+from fp8_engram.quant.runtime import reset_log_once
 from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
 
-lin = importlib.import_module("fp8_engram.quant.linear")
+lin = importlib.import_module("fp8_engram.quant.compute.linear")
+sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
+fails = importlib.import_module("fp8_engram.quant.compute.failures")
 FP8 = ComputeConfig(path="fp8")
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_supported(torch.device("cuda"))
 
@@ -30,15 +32,15 @@ def _data(out_f=96, in_f=192, tokens=24, device="cpu"):
 @pytest.fixture(autouse=True)
 def _fresh_failure_memory(monkeypatch):
     """linear.py remembers failed kinds of products for the process: each test starts clean."""
-    monkeypatch.setattr(lin, "_needs", {})
-    monkeypatch.setattr(lin, "_fp8_failed", set())
+    monkeypatch.setattr(sm, "_needs", {})
+    monkeypatch.setattr(fails, "fp8_failed", set())
 
 
 @pytest.fixture
 def spy(monkeypatch):
     calls = []
-    real = lin._scaled_mm
-    monkeypatch.setattr(lin, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = sm._scaled_mm
+    monkeypatch.setattr(sm, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -73,7 +75,7 @@ def test_failing_kernel_falls_back_logs_once_never_raises(layout, monkeypatch, c
     def broken(*a, **k):
         raise RuntimeError("no FP8 kernel for this shape")
 
-    monkeypatch.setattr(lin, "_scaled_mm", broken)
+    monkeypatch.setattr(sm, "_scaled_mm", broken)
     with caplog.at_level(logging.WARNING):
         y1 = F.linear(x, qt)
         y2 = F.linear(x.unsqueeze(0), qt)
@@ -90,10 +92,10 @@ def test_failing_kernel_falls_back_logs_once_never_raises(layout, monkeypatch, c
 def _cpu_apis():
     """The scaled-matmul APIs present in this torch, each with whether it runs on the CPU."""
     out = {}
-    for name in lin._present_apis():
+    for name in sm._present_apis():
         a = torch.ones(16, 32).to(torch.float8_e4m3fn)
         try:
-            lin.SCALED_MM_APIS[name](a, a.t(), torch.ones(()), torch.ones(()), None, torch.bfloat16)
+            sm.SCALED_MM_APIS[name](a, a.t(), torch.ones(()), torch.ones(()), None, torch.bfloat16)
             out[name] = True
         except Exception:
             out[name] = False
@@ -104,9 +106,9 @@ def test_forced_fp8_on_cpu_uses_an_api_with_a_cpu_kernel_or_logs_the_fallback(ca
     """torch 2.9-2.14 differ: F.scaled_mm is absent before 2.10 and has no CPU kernel in 2.11,
     torch._scaled_mm has one throughout. The path must find whichever runs, or fall back (logged)."""
     reset_log_once()
-    lin._api_for.clear()
+    sm._api_for.clear()
     apis = _cpu_apis()
-    chosen = lin.scaled_mm_api(torch.device("cpu"))
+    chosen = sm.scaled_mm_api(torch.device("cpu"))
     working = [name for name, ok in apis.items() if ok]
     assert chosen == (working[0] if working else None)
     w, x = _data()
@@ -129,15 +131,15 @@ def test_every_api_with_a_cpu_kernel_gives_the_same_product():
     qt = QuantizedTensor.from_float(w, PerRow())
     xq, sa = lin.kernels.quantize_rows(x)
     bias = torch.full((96,), 0.25, dtype=torch.bfloat16)
-    outs = [lin.SCALED_MM_APIS[name](xq, qt.qdata.t(), sa, qt.scale.reshape(1, -1), bias,
+    outs = [sm.SCALED_MM_APIS[name](xq, qt.qdata.t(), sa, qt.scale.reshape(1, -1), bias,
                                      torch.bfloat16) for name in apis]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_bias_and_output_dtype_go_into_the_scaled_matmul(monkeypatch):
     seen = []
-    real = lin._scaled_mm
-    monkeypatch.setattr(lin, "_scaled_mm", lambda a, b, sa, sb, bias, out_dtype:
+    real = sm._scaled_mm
+    monkeypatch.setattr(sm, "_scaled_mm", lambda a, b, sa, sb, bias, out_dtype:
                         seen.append((bias, out_dtype)) or real(a, b, sa, sb, bias, out_dtype))
     w, x = _data()
     bias = (torch.randn(96, generator=torch.Generator().manual_seed(5)) * 0.1).to(torch.bfloat16)
@@ -239,10 +241,10 @@ def test_cuda_fp8_kernel_does_not_fall_back(caplog):
 
 def _failing_api(monkeypatch, refuse):
     """Replace the CPU's scaled-matmul API by one that refuses some calls, as older kernels do."""
-    api = lin.scaled_mm_api(torch.device("cpu"))
+    api = sm.scaled_mm_api(torch.device("cpu"))
     if api is None:
         pytest.skip(f"torch {torch.__version__} has no scaled matmul with a CPU kernel")
-    real, seen = lin.SCALED_MM_APIS[api], []
+    real, seen = sm.SCALED_MM_APIS[api], []
 
     def picky(a, b, sa, sb, bias, out_dtype):
         seen.append((bias is not None, out_dtype))
@@ -250,9 +252,9 @@ def _failing_api(monkeypatch, refuse):
             raise RuntimeError("not supported by this kernel")
         return real(a, b, sa, sb, bias, out_dtype)
 
-    monkeypatch.setitem(lin.SCALED_MM_APIS, api, picky)
-    monkeypatch.setattr(lin, "_needs", {})
-    monkeypatch.setattr(lin, "_fp8_failed", set())
+    monkeypatch.setitem(sm.SCALED_MM_APIS, api, picky)
+    monkeypatch.setattr(sm, "_needs", {})
+    monkeypatch.setattr(fails, "fp8_failed", set())
     return seen
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor
 from fp8_engram.quant import linear as quant_linear
-from fp8_engram.quant.tensor import reset_log_once
+from fp8_engram.quant.runtime import reset_log_once
 from helpers.numerics import sqnr
 
 pytestmark = pytest.mark.unit
@@ -68,9 +68,10 @@ def test_linear_sqnr_every_layout_dtype_path(layout, fp8, path, scaling, monkeyp
                                     input_scale=x.float().abs().amax() / 448)
     cfg = ComputeConfig(path=path, activation_scaling=scaling)
     calls = []
-    lin = importlib.import_module("fp8_engram.quant.linear")  # the module, not the function
-    real = lin._scaled_mm
-    monkeypatch.setattr(lin, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lin = importlib.import_module("fp8_engram.quant.compute.linear")  # the module, not the function
+    sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
+    real = sm._scaled_mm
+    monkeypatch.setattr(sm, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     y = F.linear(x, qt.with_config(cfg), bias)
     ref = F.linear(x.double(), w.double(), bias.double())
     assert y.shape == (3, 5, 96) and y.dtype == torch.bfloat16
@@ -227,7 +228,7 @@ def test_stochastic_rounding_keeps_accuracy(layout):
 def test_cpu_pair_table_equals_plain_conversion_for_every_byte_pair(fp8, dtype):
     """The fast CPU dequantization (a 65536-entry table over byte pairs) must give exactly the
     bits of "convert, then multiply by the float32 scale" for all 65536 pairs."""
-    from fp8_engram.quant.layouts import _cpu_pair_lut
+    from fp8_engram.quant.layouts.fp8 import _cpu_pair_lut
 
     q = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(fp8)
     q = q.reshape(256, 512)

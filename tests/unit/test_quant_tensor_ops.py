@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor
-from fp8_engram.quant.tensor import reset_log_once
+from fp8_engram.quant.runtime import reset_log_once
 
 pytestmark = pytest.mark.unit
 

@@ -81,7 +81,7 @@ def test_kernels_fit_the_shared_memory_of_gpus_without_fp8_units(compiled_older)
         gemm = [r for r in turing_int8 if r["kernel"] == "int8_mm._int8_gemm_kernel"]
         quantizer = [r for r in turing_int8 if r["kernel"] == "int8_mm._quant_rows_kernel" and r["config"] == "RB=128"]
         assert not all(r["compiled"] for r in gemm) or any(r["smem_bytes"] > SMEM_LIMIT[75] for r in quantizer), \
-            "the int8 kernels now compile and fit sm_75: quant/int8.py int8_fast can admit Turing (7.5)"
+            "the int8 kernels now compile and fit sm_75: quant/compute/int8.py int8_fast can admit Turing (7.5)"
 
 
 def test_every_kernel_compiles_for_sm90(compiled):

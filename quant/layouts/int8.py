@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import QuantizationError, tracing
+from ..errors import QuantizationError
+from ..runtime import tracing
+from .base import LayoutBase
 
 __all__ = ["Int8", "hadamard", "check_block", "hadamard_bytes", "rotate", "unrotate", "INT8_MAX", "int8_scale"]
 
@@ -106,7 +108,7 @@ def _round(v: torch.Tensor, generator) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Int8:
+class Int8(LayoutBase):
     """int8 data, a per-tensor or per-output-channel float32 scale, optional block rotation of K."""
 
     per_row: bool = True
@@ -115,6 +117,8 @@ class Int8:
     cast_first: bool = False  # dequantize casts before rotating back, in the target dtype (asym_w4a8)
 
     name = "int8"
+    family = "int8"
+    data_dtypes = (torch.int8,)
 
     def __post_init__(self):
         if isinstance(self.rotation, bool) or not isinstance(self.rotation, int) or self.rotation < 0:

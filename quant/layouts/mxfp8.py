@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import Block, QuantizationError
+from ..errors import QuantizationError
+from .fp8 import Block
 
 BLOCK = 32
 E8M0_BIAS = 127

@@ -2,7 +2,8 @@
 
 Eager code calls ``kernels`` directly (a custom op costs microseconds of dispatch per call). While
 torch.compile traces, a Triton launch or a probe of what the device can run must not be traced
-into; ``linear.py`` and ``layouts.py`` then take the entry points from :func:`kernel_entry_points`,
+into; the compute floor and ``QuantizedTensor.dequantize`` then take the entry points from
+:func:`kernel_entry_points`,
 which gives this module's functions: same names and arguments as ``kernels``', each calling the op
 ``torch.ops.fp8_engram.<name>`` for CUDA tensors. The ops wrap the ``kernels`` entry points
 unchanged; their fake implementations give only shapes, dtypes and strides. CPU tensors call
@@ -14,8 +15,8 @@ and fuses.
     quantize_groups(x, fp8_dtype) -> (q [M, K], scale [M, ceil(K/128)] float32, strides (1, M))
     dequantize(q, scale, block?, dtype, per_tensor) -> [N, K] (q's shape) in dtype
     weight_only_linear(x, q, scale, block, per_tensor, bias?) -> [M, N] in x's dtype
-    scaled_mm(a, b, scale_a, scale_b, bias?, out_dtype) -> [M, N] in out_dtype (``linear._scaled_mm``:
-        the scaled-matmul API probe and its fallbacks stay at run time, out of the graph)
+
+The scaled matmul's op (``compute/scaled_mm.py``) is registered with :func:`define` as well.
 
 Pure torch; never imports ComfyUI.
 """
@@ -26,17 +27,17 @@ import sys
 
 import torch
 
-from . import kernels
-from .layouts import tracing
+from .. import kernels
+from ..runtime import tracing
 
-__all__ = ["NAMESPACE", "kernel_entry_points", "quantize_rows", "quantize_tensor",
-           "quantize_groups", "dequantize", "weight_only_linear", "scaled_mm"]
+__all__ = ["NAMESPACE", "define", "kernel_entry_points", "quantize_rows", "quantize_tensor",
+           "quantize_groups", "dequantize", "weight_only_linear"]
 
 NAMESPACE = "fp8_engram"
 _GROUP = 128  # activation group width of the 128x128 block path (kernels.act_quant.GROUP)
 
 
-def _define(name: str, schema: str, impl, fake):
+def define(name: str, schema: str, impl, fake):
     """Register ``NAMESPACE::name`` (once per process: a second copy of the package, imported under
     another module name, uses the ops the first one registered; their code is the same)."""
     qualname = f"{NAMESPACE}::{name}"
@@ -72,12 +73,6 @@ def _weight_only_linear_impl(x, q, scale, block, per_tensor, bias):
     return kernels.weight_only_linear(x, q, scale, tuple(block), per_tensor, bias)
 
 
-def _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype):
-    from .linear import _scaled_mm  # linear imports this module
-
-    return _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
-
-
 # -- fake implementations: shapes, dtypes and strides only ------------------------------------------
 
 
@@ -106,34 +101,23 @@ def _weight_only_linear_fake(x, q, scale, block, per_tensor, bias):
     return x.new_empty((x.shape[0], q.shape[0]))
 
 
-def _scaled_mm_fake(a, b, scale_a, scale_b, bias, out_dtype):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-_quantize_rows = _define(
+_quantize_rows = define(
     "quantize_rows", "(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)",
     _quantize_rows_impl, _quantize_rows_fake)
-_quantize_tensor = _define(
+_quantize_tensor = define(
     "quantize_tensor", "(Tensor x, Tensor? scale, ScalarType fp8_dtype) -> (Tensor, Tensor)",
     _quantize_tensor_impl, _quantize_tensor_fake)
-_quantize_groups = _define(
+_quantize_groups = define(
     "quantize_groups", "(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)",
     _quantize_groups_impl, _quantize_groups_fake)
-_dequantize = _define(
+_dequantize = define(
     "dequantize",
     "(Tensor q, Tensor scale, int[]? block, ScalarType dtype, bool per_tensor) -> Tensor",
     _dequantize_impl, _dequantize_fake)
-_weight_only_linear = _define(
+_weight_only_linear = define(
     "weight_only_linear",
     "(Tensor x, Tensor q, Tensor scale, int[] block, bool per_tensor, Tensor? bias) -> Tensor",
     _weight_only_linear_impl, _weight_only_linear_fake)
-_scaled_mm = _define(
-    "scaled_mm",
-    "(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, ScalarType out_dtype) "
-    "-> Tensor",
-    _scaled_mm_impl, _scaled_mm_fake)
-
-
 # -- the entry points for compiled code (same names and arguments as ``kernels``') -----------------
 
 
@@ -166,12 +150,6 @@ def weight_only_linear(x2d, q, scale, block, per_tensor: bool, bias, method: str
     if x2d.is_cuda and method == "auto":
         return _weight_only_linear(x2d, q, scale, list(block), per_tensor, bias)
     return kernels.weight_only_linear(x2d, q, scale, block, per_tensor, bias, method)
-
-
-def scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
-    """The scaled matmul of ``linear._scaled_mm`` as one op (every device: the API it picks, and
-    its fallbacks for kernels without a bias epilogue or a float16 output, run when it runs)."""
-    return _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
 
 
 def kernel_entry_points():

@@ -26,8 +26,7 @@ In memory an NVFP4 weight is a `QuantizedTensor` with layout `NVFP4(rows, cols)`
 A file gives only the padded size; `at_shape` sets the layer's true size (a new layout, no data
 moves) when the model's Linear declares it, as `mxfp8.at_shape` does.
 
-These weights run weight-only everywhere (the fp4 x fp4 matmul needs Blackwell): the CPU dequantizes
-and multiplies; CUDA runs `kernels/nvfp4_gemm.py`, which decodes the 4-bit weight in registers.
+These weights run weight-only everywhere (the fp4 x fp4 matmul needs Blackwell): `compute/nvfp4.py`.
 Pure torch; never imports ComfyUI.
 """
 
@@ -38,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import QuantizationError
+from ..errors import QuantizationError
+from .base import LayoutBase
 from .mxfp8 import check_tiled_shape, swizzle, unswizzle
 
 GROUP = 16
@@ -51,8 +51,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 __all__ = ["NVFP4", "GROUP", "is_nvfp4", "padded_weight_shape", "unpack_codes", "pack_codes", "split_scales",
-           "join_scales", "dequantize_padded", "encode_e2m1", "at_shape", "scales_from_file", "from_file", "file_tensors",
-           "weight_only_linear"]
+           "join_scales", "dequantize_padded", "encode_e2m1", "at_shape", "scales_from_file", "file_tensors"]
 
 
 def _round_up(v: int, m: int) -> int:
@@ -66,7 +65,7 @@ def padded_weight_shape(shape) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class NVFP4:
+class NVFP4(LayoutBase):
     """Packed e2m1 data + e4m3 block scales per 1 x 16 + a float32 tensor scale; `rows x cols` is the
     logical weight shape (the stored data is padded to multiples of 16)."""
 
@@ -74,6 +73,12 @@ class NVFP4:
     cols: int
 
     name = "nvfp4"
+    family = "nvfp4"
+    data_dtypes = (torch.uint8,)
+    packed = True
+
+    def logical_shape(self, storage_shape) -> tuple:
+        return self.shape
 
     def __post_init__(self):
         for v, what in ((self.rows, "rows"), (self.cols, "cols")):
@@ -257,18 +262,6 @@ def scales_from_file(weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, s
     return layout, scale
 
 
-def from_file(qdata: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
-              orig_dtype=torch.bfloat16, config=None):
-    """A QuantizedTensor from a file's three tensors; its logical shape is the stored (padded) one
-    until `at_shape` gives the model's. QuantizationError on anything that is not that form."""
-    from .tensor import QuantizedTensor
-
-    if qdata.dtype != torch.uint8 or qdata.dim() != 2:
-        raise QuantizationError(f"NVFP4 data must be uint8 [R, C / 2], got {qdata.dtype} {list(qdata.shape)}")
-    layout, scale = scales_from_file(weight_scale, weight_scale_2, qdata.shape)
-    return QuantizedTensor.from_parts(qdata, scale.to(qdata.device), layout, orig_dtype=orig_dtype, config=config)
-
-
 def at_shape(w, shape):
     """An NVFP4 weight read at its padded size, given the model's true `[out, in]` (a new layout over the
     same storage). Returns `w` itself when it is not NVFP4, already has `shape`, or cannot be that
@@ -291,36 +284,3 @@ def file_tensors(w) -> dict[str, torch.Tensor]:
     return {"weight": w.qdata.contiguous(),
             "weight_scale": swizzle(block.view(torch.uint8)).view(torch.float8_e4m3fn),
             "weight_scale_2": ts.clone()}
-
-
-# ---------------------------------------------------------------------------------------------
-# the linear (weight-only on every device)
-# ---------------------------------------------------------------------------------------------
-
-# At or below this many tokens the fused GEMM (weight read as 4 bits) runs on CUDA; above it one
-# dequantize then cuBLAS (compute-bound there, where cuBLAS is the faster matmul).
-FUSED_MAX_M = 1024
-
-
-def weight_only_linear(x: torch.Tensor, w, bias: torch.Tensor | None, cdt: torch.dtype) -> torch.Tensor:
-    """``x @ W.T + bias`` in ``cdt`` for an NVFP4 QuantizedTensor ``w`` (not transposed); x of any rank."""
-    if x.dtype != cdt:
-        x = x.to(cdt)
-    if bias is not None and bias.dtype != cdt:
-        bias = bias.to(cdt)
-    out_f, in_f = w.layout.shape
-    if x.dim() == 0 or x.shape[-1] != in_f:
-        raise QuantizationError(f"linear: input of shape {list(x.shape)} does not fit a weight of shape "
-                                f"[{out_f}, {in_f}] (last input dim must be {in_f})")
-    x2d = x.reshape(-1, in_f)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    if w.qdata.is_cuda and not needs_grad and x2d.shape[0] <= FUSED_MAX_M:
-        from .kernels import nvfp4_gemm
-
-        if nvfp4_gemm.supported(x2d, w.qdata):
-            block, ts = split_scales(w.scale, w.layout)
-            with torch.cuda.device(w.qdata.device):
-                y = nvfp4_gemm.nvfp4_linear_triton(x2d.contiguous(), w.qdata, block.view(torch.uint8), ts,
-                                                   out_f, bias)
-            return y.reshape(*x.shape[:-1], out_f)
-    return torch.nn.functional.linear(x, w.dequantize(cdt), bias)

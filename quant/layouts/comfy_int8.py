@@ -38,8 +38,8 @@ import json
 
 import torch
 
-from .int8_layout import Int8, check_block, hadamard_bytes
-from .layouts import QuantizationError
+from ..errors import QuantizationError
+from .int8 import Int8, check_block, hadamard_bytes
 
 __all__ = ["INT8_FORMATS", "plan_layer", "unpack_int4", "pack_int4", "unpack_int6", "decode_asym_w4a8", "file_tensors",
            "file_form", "comfy_quant_bytes"]

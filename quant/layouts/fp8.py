@@ -15,51 +15,24 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from .numerics import scale_from_amax
+from ..errors import QuantizationError
+from ..numerics import fp8_max, scale_from_amax
+from ..runtime import tracing, workspace
+from .base import FP8_DTYPES, LayoutBase, check_fp8_dtype  # noqa: F401 - FP8_DTYPES, check_fp8_dtype re-exported
 
-__all__ = [
-    "QuantizationError",
-    "FP8_DTYPES",
-    "fp8_max",
-    "PerTensor",
-    "PerRow",
-    "Block",
-    "Layout",
-    "fp8_to",
-    "workspace",
-    "release_workspace",
-    "tracing",
-]
+__all__ = ["FP8_DTYPES", "PerTensor", "PerRow", "Block", "Layout", "fp8_to", "check_fp8_dtype",
+           "dequantize_eager"]
 
-
-class QuantizationError(ValueError):
-    """Bad input to the quantization library (wrong dtype, bad scale, shape mismatch, ...)."""
-
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Mantissa bits and smallest normal exponent, for stochastic rounding onto the FP8 grid.
 _GRID = {
     torch.float8_e4m3fn: (3, -6),
     torch.float8_e5m2: (2, -14),
 }
-
-
-def fp8_max(fp8_dtype: torch.dtype) -> float:
-    return float(torch.finfo(fp8_dtype).max)
-
-
-def check_fp8_dtype(dtype, what: str = "fp8_dtype") -> torch.dtype:
-    if dtype not in FP8_DTYPES:
-        raise QuantizationError(
-            f"{what} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
-        )
-    return dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,49 +48,6 @@ _PAIR_LUT_MIN_NUMEL = 1 << 20
 _PAIR_WORD = {torch.bfloat16: (torch.int16, torch.int32, 16, 0xFFFF),
               torch.float16: (torch.int16, torch.int32, 16, 0xFFFF),
               torch.float32: (torch.int32, torch.int64, 32, 0xFFFFFFFF)}
-
-# Per-thread reusable CPU buffers for temporaries that never outlive one call (the gather indices,
-# and the weight-only path's dequantized weight). Large fresh allocations are handed out by the
-# C library as new zero-filled pages each time, so a model that dequantizes gigabytes per step
-# spends more time in page faults than in the conversion itself; a buffer that stays mapped does not.
-_workspace = threading.local()
-
-
-def workspace(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat CPU tensor of ``numel`` elements from this thread's reusable buffer ``slot``.
-
-    Its contents are undefined and it is overwritten by the next caller of the same slot and dtype,
-    so it must never be returned to a caller or saved for backward. Always a normal (non-inference)
-    tensor, so it can be written under and outside ``inference_mode`` alike.
-    """
-    bufs = getattr(_workspace, "bufs", None)
-    if bufs is None:
-        bufs = _workspace.bufs = {}
-    buf = bufs.get((slot, dtype))
-    if buf is None or buf.numel() < numel:
-        bufs.pop((slot, dtype), None)  # free the old one before allocating the larger one
-        with torch.inference_mode(False), torch.no_grad():
-            buf = torch.empty(numel, dtype=dtype)
-        bufs[(slot, dtype)] = buf
-    return buf[:numel]
-
-
-def release_workspace() -> None:
-    """Free this thread's reusable buffers (they are re-made on demand)."""
-    _workspace.bufs = {}
-
-
-_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
-
-
-def tracing() -> bool:
-    """True while torch.compile traces (fake tensors). Then nothing may be cached across calls or
-    written into a reused buffer: such a tensor, real or made under one compile's fake mode, is
-    what makes the compiler fail ("Mixing fake modes", "convert all Tensors to FakeTensors")."""
-    # is_compiling() covers the whole compile session on torch 2.14; older torch sets it only in
-    # Dynamo-traced frames, not in a subclass's handlers, hence the fake-mode check as well
-    return torch.compiler.is_compiling() or torch._C._get_dispatch_mode(_FAKE_MODE) is not None
-
 
 def _all_codes(fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype)
@@ -214,10 +144,17 @@ def _need_2d(shape, name: str) -> None:
 
 
 @dataclass(frozen=True)
-class PerTensor:
+class PerTensor(LayoutBase):
     """One float32 scale for the whole tensor."""
 
     name = "per_tensor"
+    reshapeable = True  # one scale for everything: any view of the data keeps its meaning
+
+    def kernel_block(self, shape):
+        return (tuple(shape) if len(shape) == 2 else None), True
+
+    def fp8_scaling(self, shape) -> str | None:
+        return "tensor"
 
     def scale_shape(self, shape) -> tuple:
         return ()
@@ -242,10 +179,16 @@ class PerTensor:
 
 
 @dataclass(frozen=True)
-class PerRow:
+class PerRow(LayoutBase):
     """One float32 scale per output channel (row of the [out, in] weight)."""
 
     name = "per_row"
+
+    def kernel_block(self, shape):
+        return (1, shape[1]), False
+
+    def fp8_scaling(self, shape) -> str | None:
+        return "row"
 
     def scale_shape(self, shape) -> tuple:
         _need_2d(shape, "PerRow")
@@ -274,13 +217,26 @@ class PerRow:
 
 
 @dataclass(frozen=True)
-class Block:
+class Block(LayoutBase):
     """One float32 scale per ``rows x cols`` block of the [out, in] weight (edges may be partial)."""
 
     rows: int
     cols: int
 
     name = "block"
+
+    def kernel_block(self, shape):
+        return (self.rows, self.cols), False
+
+    def fp8_scaling(self, shape) -> str | None:
+        """The 128x128 block-wise scaled matmul (1x128 activation groups) takes whole blocks only."""
+        if (self.rows, self.cols) == (128, 128) and shape[0] % 128 == 0 and shape[1] % 128 == 0:
+            return "block"
+        return None
+
+    @property
+    def key(self):
+        return (self.rows, self.cols)
 
     def __post_init__(self):
         for v, what in ((self.rows, "rows"), (self.cols, "cols")):
@@ -338,27 +294,43 @@ Layout = PerTensor | PerRow | Block
 
 def _off_cpu(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype,
              out: torch.Tensor | None) -> torch.Tensor:
-    """Dequantization on CUDA (and any device but the CPU): one pass in ``kernels.dequant``
-    (Triton where it runs, torch ops otherwise) that rounds exactly like the CPU code above, so a
-    weight gives the same bits on every device. Plain torch ops would not: on CUDA a bf16 tensor
-    times a float32 0-d tensor rounds the scale to bf16 first, while the CPU keeps it float32.
-    While torch.compile traces, CPU weights come here too: the torch twin's explicit float32
-    product keeps those bits in compiled code, and the CPU code's byte-pair table and reused
-    buffer cannot be traced; CUDA weights then go through the custom ops (``custom_ops``)."""
-    # the kernels are only needed off the CPU or in compiled code
-    from .custom_ops import kernel_entry_points
-
-    dequantize = kernel_entry_points().dequantize
-
+    """Dequantization on any device but the CPU, and of CPU weights while torch.compile traces: the
+    eager twin below, which rounds exactly like the CPU code, so a weight gives the same bits on every
+    device. Plain torch ops would not: on CUDA a bf16 tensor times a float32 0-d tensor rounds the
+    scale to bf16 first, while the CPU keeps it float32. ``QuantizedTensor.dequantize`` takes the
+    one-pass kernel of ``kernels.dequant`` (Triton, and the custom op while compiling) before this."""
     if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(q.shape)
                             or not out.is_contiguous() or out.device != q.device):
         raise QuantizationError(
             f"dequantize: out must be a contiguous {dtype} tensor of shape {list(q.shape)} on "
             f"{q.device}, got {out.dtype} {list(out.shape)} on {out.device}"
         )
-    if block is None or q.dim() != 2:
-        return dequantize(q, scale, block, dtype, True, out)
-    return dequantize(q, scale, block, dtype, False, out)
+    return dequantize_eager(q, scale, block, dtype, block is None or q.dim() != 2, out)
+
+
+def _full_scale(scale: torch.Tensor, block, shape) -> torch.Tensor:
+    n, k = shape
+    r, c = block
+    return scale.repeat_interleave(r, 0)[:n].repeat_interleave(c, 1)[:, :k]
+
+
+def dequantize_eager(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype,
+                     per_tensor: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The eager twin of every dequantization kernel: ``round(float32(q) * float32(scale))`` with the
+    scale expanded over ``block`` (rows, cols) blocks, or one scale when ``per_tensor``."""
+    s = scale.to(torch.float32)
+    if per_tensor or q.dim() != 2:
+        w = q.to(torch.float32) * s.reshape(())
+    else:
+        n, k = q.shape
+        r, c = block
+        if n % r == 0 and k % c == 0:
+            w = (q.to(torch.float32).view(n // r, r, k // c, c) * s[:, None, :, None]).view(n, k)
+        else:
+            w = q.to(torch.float32) * _full_scale(s, block, (n, k))
+    if out is None:
+        return w.to(dtype)
+    return out.copy_(w)
 
 
 # rows of float32 per step of the CPU dequantization: large enough for fp8_to's pair table,

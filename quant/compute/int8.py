@@ -6,7 +6,7 @@ way to run an FP8 checkpoint:
 
 - at load, each FP8 weight (any layout) or float weight becomes an ``Int8`` QuantizedTensor: one
   scale per output channel, and (by default, where ``in_features`` is a multiple of 128) the
-  weight rotated once by a 128-wide block Hadamard transform along K (``int8_layout.py``);
+  weight rotated once by a 128-wide block Hadamard transform along K (``layouts/int8.py``);
 - per call, one fused pass rotates the activation the same way and quantizes it per token
   (``kernels.int8_mm.quantize_rows_int8``), then one int8 GEMM applies both scales, the bias and
   the output dtype in its epilogue (``kernels.int8_mm.int8_linear_mm``).
@@ -24,10 +24,10 @@ import math
 
 import torch
 
-from .int8_layout import Int8
-from .kernels.int8_mm import int8_linear_mm, quantize_rows_int8
-from .layouts import QuantizationError
-from .tensor import QuantizedTensor
+from ..errors import QuantizationError
+from ..kernels.int8_mm import int8_linear_mm, quantize_rows_int8
+from ..layouts import Int8
+from ..tensor import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def int8_supported(device) -> bool:
 
 
 def is_int8(w) -> bool:
-    return isinstance(w, QuantizedTensor) and isinstance(w.layout, Int8)
+    return isinstance(w, QuantizedTensor) and w.layout.family == "int8"
 
 
 def default_rotation(in_features: int) -> int:

@@ -1,0 +1,65 @@
+"""The layout registry: every way the pack stores a quantized weight, one module per family.
+
+    fp8.py         PerTensor, PerRow, Block(r, c): FP8 data with float32 scales; FP8 <-> float
+    mxfp8.py       MXFP8: a Block(1, 32) with power-of-two scales, in ComfyUI 0.29's file form
+    nvfp4.py       NVFP4(rows, cols): packed e2m1 data with e4m3 block and float32 tensor scales
+    int8.py        Int8(per_row, rotation, ...): int8 data, optional block Hadamard rotation of K
+    comfy_int8.py  ComfyUI 0.33's int8 file forms (int8_tensorwise, convrot_w4a4, asym_w4a8_int8)
+    base.py        what every layout declares (the questions the floors above ask)
+
+Floors above ask a layout what it is and can do (``family``, ``kernel_block``, ``fp8_scaling``, ...;
+see ``base.py``) and ask this module which layouts exist, never testing classes themselves. Adding a
+format: its layout module, its file form, its tests, and one line in ``LAYOUTS`` (and in
+``GRANULARITIES`` when ``quantize_model`` may write it).
+"""
+
+from __future__ import annotations
+
+from ..errors import QuantizationError
+from .base import FP8_DTYPES, LayoutBase, check_fp8_dtype
+from .comfy_int8 import DEFAULT_CONVROT
+from .fp8 import Block, PerRow, PerTensor, fp8_to
+from .int8 import Int8
+from .mxfp8 import MXFP8
+from .nvfp4 import NVFP4
+
+__all__ = ["LAYOUTS", "GRANULARITIES", "is_layout", "check_layout", "layout_for", "LayoutBase",
+           "PerTensor", "PerRow", "Block", "MXFP8", "NVFP4", "Int8", "FP8_DTYPES", "check_fp8_dtype",
+           "fp8_to", "family_of", "QuantizationError"]
+
+# The registry: one line per layout class (MXFP8 before Block, of which it is a special case).
+LAYOUTS = (PerTensor, PerRow, MXFP8, Block, NVFP4, Int8)
+
+# Granularity names (what quantize_model, convert and the nodes offer) -> how to make the layout:
+# fn(block, shape) -> layout; shape-bound layouts (NVFP4) give None without a shape (one per weight).
+GRANULARITIES = {
+    "tensor": lambda block, shape: PerTensor(),
+    "row": lambda block, shape: PerRow(),
+    "block": lambda block, shape: Block(int(block[0]), int(block[1])),
+    "mxfp8": lambda block, shape: MXFP8(),
+    "nvfp4": lambda block, shape: None if shape is None else NVFP4.for_shape(shape),
+    "int8 tensor": lambda block, shape: Int8(False),
+    "int8 row convrot": lambda block, shape: Int8(True, DEFAULT_CONVROT, True),
+}
+
+
+def is_layout(obj) -> bool:
+    return isinstance(obj, LAYOUTS)
+
+
+def check_layout(layout) -> None:
+    if not is_layout(layout):
+        raise QuantizationError(
+            f"layout must be PerTensor(), PerRow(), Block(rows, cols) or Int8(...), got {layout!r}"
+        )
+
+
+def layout_for(granularity: str, block=(128, 128), shape=None):
+    """The layout of a granularity name of ``GRANULARITIES``; KeyError for any other name."""
+    return GRANULARITIES[granularity](block, shape)
+
+
+def family_of(t) -> str | None:
+    """The compute family of a tensor's layout ("fp8", "int8", "nvfp4"), or None for a plain tensor."""
+    layout = getattr(t, "layout", None)
+    return layout.family if is_layout(layout) else None

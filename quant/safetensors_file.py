@@ -1,0 +1,292 @@
+"""The safetensors container, read defensively: the header, parsed and bounded, and tensors read or mapped.
+
+Every bound on what a file may make the reader parse or allocate is here; anything malformed raises
+``FormatError`` naming the file and the key. Floor 6 (file I/O); imports only the errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import FormatError
+
+# safetensors dtype strings -> torch dtypes (the ones a checkpoint can hold)
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        ST_DTYPES[_name] = getattr(torch, _attr)
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+# Bounds on what a file may make the reader parse or allocate before any tensor is touched.
+# safetensors itself allows 100 MB, but parsing a hostile 100 MB JSON header costs Python up to ~1 GB;
+# real headers (thousands of tensors, training metadata, embedded workflows) stay far below 32 MiB.
+MAX_HEADER_BYTES = 32 * 1024 * 1024
+MAX_METADATA_JSON_BYTES = 16 * 1024 * 1024  # one JSON value of the header metadata
+MAX_COMFY_QUANT_BYTES = 64 * 1024  # one `.comfy_quant` tensor (a few dozen bytes of JSON in practice)
+MAX_DIMS = 8
+MAX_DIM = 1 << 40
+
+
+
+def _err(path, key, problem: str, expected: str | None = None) -> FormatError:
+    where = f"{os.fspath(path)}" + (f", key '{key}'" if key else "")
+    msg = f"{where}: {problem}"
+    if expected:
+        msg += f"; expected {expected}"
+    return FormatError(msg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Header
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # offsets inside the data section
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SafetensorsHeader:
+    path: str
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+
+def _read_header_bytes(path: str, f) -> tuple[int, int, bytes]:
+    """(file size, header length, header bytes) of an open file, with the checks that need no parsing."""
+    file_size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    head = f.read(8)
+    if len(head) < 8:
+        raise _err(path, None, f"file is {file_size} bytes long, too short to be safetensors",
+                   "an 8-byte header length followed by a JSON header")
+    (n,) = struct.unpack("<Q", head)
+    if n > file_size - 8:
+        raise _err(path, None, _not_a_header(path, head, n, file_size),
+                   f"a header length of at most {min(MAX_HEADER_BYTES, file_size - 8)}")
+    if n > MAX_HEADER_BYTES:
+        raise _err(path, None, f"the JSON header is {n:,} bytes long, more than this reader accepts",
+                   f"at most {MAX_HEADER_BYTES:,} bytes (real checkpoints use well under 1 MB)")
+    raw = f.read(n)
+    if len(raw) < n:
+        raise _err(path, None, f"the file ended inside its {n:,}-byte header (it shrank while being read)",
+                   "a complete safetensors file")
+    return file_size, n, raw
+
+
+def _not_a_header(path: str, head: bytes, n: int, file_size: int) -> str:
+    """Why a header length field that points past the end of the file is wrong, in words a user can act on."""
+    link = ""
+    if os.path.islink(path):
+        link = f" (a link to {os.path.realpath(path)})"
+    if head.startswith(b"PK\x03\x04"):
+        kind = "a zip archive (a PyTorch .ckpt/.pt pickle?), not safetensors"
+    elif head.startswith((b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")):
+        kind = "a Python pickle (.ckpt/.pt), not safetensors"
+    elif head.startswith(b"GGUF"):
+        kind = "a GGUF file, not safetensors"
+    elif all(32 <= c < 127 or c in (9, 10, 13) for c in head):
+        kind = f"text (it begins {head.decode('ascii')!r}), not a safetensors file"
+    else:
+        return (f"header length field says {n} bytes but the file{link} has {file_size - 8} bytes after it "
+                "(truncated file, or not a safetensors file)")
+    return f"the file{link} is {kind}"
+
+
+def read_header(path, *, file=None) -> SafetensorsHeader:
+    """Parse and check a safetensors header: every tensor's dtype, shape and byte range must agree.
+
+    `file`: the file already open (binary, seekable); its header is read from it, so that the tensors
+    read later through the same file belong to this header even if the name is replaced meanwhile."""
+    path = os.fspath(path)
+    try:
+        if file is None:
+            with open(path, "rb") as f:
+                file_size, n, raw = _read_header_bytes(path, f)
+        else:
+            file_size, n, raw = _read_header_bytes(path, file)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read the file ({exc})") from exc
+    header = _loads(path, None, raw, "a safetensors JSON header")
+    if not isinstance(header, dict):
+        raise _err(path, None, "the header is not a JSON object", "a safetensors JSON header")
+
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _err(path, "__metadata__", "metadata is not a map of strings", "{name: string}")
+    data_start = 8 + n
+    data_size = file_size - data_start
+    tensors: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise _err(path, name, "header entry is not an object", "{dtype, shape, data_offsets}")
+        dtype = ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        if dtype is None:
+            raise _err(path, name, f"unsupported tensor dtype {_short(info.get('dtype'))}",
+                       "one of " + ", ".join(sorted(ST_DTYPES)))
+        shape = info.get("shape")
+        offsets = info.get("data_offsets")
+        if (not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(s) and 0 <= s <= MAX_DIM for s in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_int(o) and o >= 0 for o in offsets) or offsets[1] < offsets[0]):
+            raise _err(path, name, f"malformed shape {_short(shape)} or data_offsets {_short(offsets)}",
+                       f"a list of at most {MAX_DIMS} non-negative ints and [begin, end] with begin <= end")
+        entry = TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        want = entry.numel * itemsize
+        if entry.nbytes != want:
+            raise _err(path, name, f"header says shape {list(shape)} of {info['dtype']} ({want} bytes) but its "
+                       f"data_offsets span {entry.nbytes} bytes (the header lies about sizes)",
+                       f"data_offsets spanning exactly {want} bytes")
+        if entry.end > data_size:
+            raise _err(path, name, f"tensor data ends at byte {entry.end} of the data section, which has only "
+                       f"{data_size} bytes (truncated file)", f"a file of at least {data_start + entry.end} bytes")
+        tensors[name] = entry
+    # Like safetensors itself: tensors tile the data section exactly, without gaps or overlaps.
+    end = 0
+    for entry in sorted(tensors.values(), key=lambda e: (e.start, e.end)):
+        if entry.start != end:
+            what = "overlaps the tensor before it" if entry.start < end else f"leaves a gap of {entry.start - end} bytes"
+            raise _err(path, entry.name, f"data_offsets {[entry.start, entry.end]} {what}",
+                       f"tensors stored back to back (this one starting at byte {end})")
+        end = entry.end
+    if end != data_size:
+        raise _err(path, None, f"{data_size - end} bytes follow the last tensor's data",
+                   "a file that ends with the last tensor (safetensors refuses trailing data)")
+    return SafetensorsHeader(path, tensors, dict(metadata), data_start, file_size)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(value, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _loads(path, key, raw, expected: str):
+    """json.loads that turns every way a hostile text can fail (bad UTF-8, bad JSON, nesting deeper
+    than Python's recursion limit, integers too long to convert) into a FormatError."""
+    try:
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8")
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _err(path, key, f"not valid JSON ({exc})", expected) from exc
+    except RecursionError:
+        raise _err(path, key, "JSON nested too deeply", expected) from None
+    except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
+        raise _err(path, key, f"unreadable JSON ({str(exc)[:200]})", expected) from None
+
+
+class _FileReader:
+    """Reads tensors with ordinary file reads into memory this process owns.
+
+    Nothing stays mapped to the file: a model file that is replaced, rewritten or truncated while the
+    model is in use (a download tool rewriting it in place) cannot take the process down with SIGBUS
+    on a mapped page, as a memory-mapped tensor would at its next use. Everything is read through one
+    open file, the one the header was read from; `close()` when done."""
+
+    def __init__(self, path: str, device: str = "cpu", header: SafetensorsHeader | None = None):
+        self.path = path
+        self.device = device
+        self.header = header
+        self._file = None
+
+    def open(self):
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb", buffering=0)
+            except OSError as exc:
+                raise FormatError(f"{self.path}: cannot read the file ({exc})") from exc
+        return self._file
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def get(self, key: str) -> torch.Tensor:
+        if self.header is None:
+            self.header = read_header(self.path, file=self.open())
+        entry = self.header.tensors[key]
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        if entry.nbytes:
+            f = self.open()
+            view = memoryview(buf.numpy()).cast("B")
+            pos, done = self.header.data_start + entry.start, 0
+            try:
+                f.seek(pos)
+                while done < entry.nbytes:
+                    n = f.readinto(view[done:])  # one read returns at most ~2 GiB on Linux
+                    if not n:
+                        raise _err(self.path, key, f"the file ended at byte {pos + done:,} while reading this tensor "
+                                   "(it was truncated or rewritten while loading)",
+                                   f"a file of at least {self.header.data_start + entry.end:,} bytes")
+                    done += n
+            except OSError as exc:
+                raise _err(self.path, key, f"reading this tensor failed ({exc})") from exc
+        t = buf.view(entry.dtype).reshape(entry.shape)
+        return t if self.device == "cpu" else t.to(self.device)
+
+
+class _MappedReader:
+    """Opens the file with safetensors (memory-mapped) on first use; wraps its errors with the path.
+
+    Tensors stay mapped to the file: pages are read when first touched and the kernel may drop them
+    again, so this suits a file that nobody changes while it is open (a conversion script), not a
+    server that keeps a model for hours."""
+
+    def __init__(self, path: str, device: str = "cpu"):
+        self.path = path
+        self.device = device
+        self._handle = None
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        try:
+            if self._handle is None:
+                self._handle = safe_open(self.path, framework="pt", device=self.device)
+            return self._handle.get_tensor(key)
+        except FormatError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
+            raise _err(self.path, key, f"safetensors could not read this tensor ({exc})",
+                       "a complete, valid safetensors file") from exc
+
+    def close(self) -> None:
+        self._handle = None  # the mapping lives as long as the tensors made from it
