@@ -24,7 +24,7 @@ logger = logging.getLogger("fp8_engram.quant.compute.linear")
 __all__ = ["fp8_supported", "scaled_mm_api", "blockwise_form", "blockwise_supported", "block_scale_b",
            "pad_rows", "scaled_mm", "SCALED_MM_APIS", "BLOCK_SCALE_FORMS", "ACT_DTYPE"]
 
-ACT_DTYPE = _ACT_DTYPE = torch.float8_e4m3fn
+ACT_DTYPE = torch.float8_e4m3fn
 _capability_cache: dict = {}
 
 
@@ -103,8 +103,8 @@ def scaled_mm_api(device) -> str | None:
         with torch.no_grad(), _real_tensors():
             for name in _present_apis():
                 try:
-                    a = torch.ones(16, 32, device=device).to(_ACT_DTYPE)
-                    b = torch.ones(16, 32, device=device).to(_ACT_DTYPE).t()
+                    a = torch.ones(16, 32, device=device).to(ACT_DTYPE)
+                    b = torch.ones(16, 32, device=device).to(ACT_DTYPE).t()
                     one = torch.ones((), device=device)
                     SCALED_MM_APIS[name](a, b, one, one, None, torch.bfloat16)
                     found = name
@@ -157,8 +157,8 @@ def _probe_block_forms(api: str, device) -> tuple | None:
     g = torch.Generator().manual_seed(0)
     m, n, k = _PROBE_M, _PROBE_N, _PROBE_K
     kb = k // 128
-    a = (torch.rand(m, k, generator=g) * 4 - 2).to(_ACT_DTYPE)
-    b = (torch.rand(n, k, generator=g) * 4 - 2).to(_ACT_DTYPE)
+    a = (torch.rand(m, k, generator=g) * 4 - 2).to(ACT_DTYPE)
+    b = (torch.rand(n, k, generator=g) * 4 - 2).to(ACT_DTYPE)
     # powers of two from 1/16 to 16, different in every block: a scale read from the wrong place
     # changes the product by far more than bf16 rounding
     sa = torch.exp2(torch.randint(-4, 5, (m, kb), generator=g).float())

@@ -25,7 +25,7 @@ from .nvfp4 import NVFP4
 
 __all__ = ["LAYOUTS", "GRANULARITIES", "is_layout", "check_layout", "layout_for", "LayoutBase",
            "PerTensor", "PerRow", "Block", "MXFP8", "NVFP4", "Int8", "FP8_DTYPES", "check_fp8_dtype",
-           "fp8_to", "family_of", "QuantizationError"]
+           "fp8_to", "QuantizationError"]
 
 # The registry: one line per layout class (MXFP8 before Block, of which it is a special case).
 LAYOUTS = (PerTensor, PerRow, MXFP8, Block, NVFP4, Int8)
@@ -57,9 +57,3 @@ def check_layout(layout) -> None:
 def layout_for(granularity: str, block=(128, 128), shape=None):
     """The layout of a granularity name of ``GRANULARITIES``; KeyError for any other name."""
     return GRANULARITIES[granularity](block, shape)
-
-
-def family_of(t) -> str | None:
-    """The compute family of a tensor's layout ("fp8", "int8", "nvfp4"), or None for a plain tensor."""
-    layout = getattr(t, "layout", None)
-    return layout.family if is_layout(layout) else None
