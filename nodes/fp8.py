@@ -37,6 +37,7 @@ import torch
 from comfy_api.latest import io
 
 from ..quant import ComputeConfig, QuantizedTensor, formats, save
+from ..quant.compute import choice
 from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, quantize_module
 from . import CATEGORY, NODE_ID_PREFIX
 from .ops import make_fp8_ops, release_workspace_on_unload
@@ -50,9 +51,19 @@ COMPUTE_PATHS = {"auto": "auto", "fp8 matmul": "fp8", "weight-only": "weight_onl
 ACT_SCALING = {"auto": "auto", "static": "static", "dynamic per tensor": "dynamic_tensor", "dynamic per row": "dynamic_row"}
 COMPUTE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ROUNDING = ("nearest", "stochastic")
+FAST_PATHS = ("proven on this device", "prove again", "trust without proving")
 # On a loaded model (comfy BaseModel): {key: dtype} of the file it came from, so Save FP8 Model can
 # write the weights that are not FP8 in their original dtype (ComfyUI computes in float32 on the CPU).
 SOURCE_DTYPES_ATTR = "fp8_engram_source_dtypes"
+
+
+def _verdict_file() -> str | None:
+    """Where the fast-path verdicts of this ComfyUI live: its user folder (None: in memory only)."""
+    user = getattr(folder_paths, "get_user_directory", None)
+    return os.path.join(user(), "fp8_engram", "fast_paths.json") if user is not None else None
+
+
+choice.configure(_verdict_file())
 
 
 def _options():
@@ -73,16 +84,27 @@ def _options():
         io.Combo.Input("patch_rounding", options=list(ROUNDING), default="nearest", optional=True,
                        tooltip="How weights are requantized after a LoRA or other weight patch: round to nearest, "
                        "or stochastic rounding (seeded per weight)."),
+        io.Combo.Input("fast_paths", options=list(FAST_PATHS), default=FAST_PATHS[0], optional=True,
+                       tooltip="proven on this device: each fast path (fp8 x fp8, int8, the fused GEMMs) is checked "
+                       "against its plain twin and timed against dequantize + matmul the first time it meets a kind "
+                       "of layer; the verdicts are kept in ComfyUI's user folder (fp8_engram/fast_paths.json) until "
+                       "the GPU, driver, torch or pack changes. prove again: forget them and prove anew. trust "
+                       "without proving: take fast paths by the device's capability alone."),
     ]
 
 
-def _config(compute_path, activation_scaling, compute_dtype) -> ComputeConfig:
+def _config(compute_path, activation_scaling, compute_dtype, fast_paths=FAST_PATHS[0]) -> ComputeConfig:
+    if fast_paths not in FAST_PATHS:
+        raise ValueError(f"fast_paths must be one of {list(FAST_PATHS)}, got {fast_paths!r}")
+    if fast_paths == "prove again":
+        choice.forget(comfy.model_management.get_torch_device())
     return ComputeConfig(path=COMPUTE_PATHS[compute_path], activation_scaling=ACT_SCALING[activation_scaling],
                          compute_dtype=COMPUTE_DTYPES[compute_dtype],
-                         int8_rotation=compute_path != "int8 without rotation")
+                         int8_rotation=compute_path != "int8 without rotation",
+                         trust_fast_paths=fast_paths == "trust without proving")
 
 
-def _path_label(cfg: ComputeConfig) -> str:
+def _path_label(cfg: ComputeConfig, ops=None) -> str:
     if cfg.path == "weight_only":
         return "weight-only"
     if cfg.path == "fp8":
@@ -92,11 +114,14 @@ def _path_label(cfg: ComputeConfig) -> str:
         return int8_label
     device = comfy.model_management.get_torch_device()
     from ..quant import fp8_supported
-    from ..quant.compute.int8 import int8_supported
 
+    how = "by capability" if cfg.trust_fast_paths else "where proven and measured faster"
     if fp8_supported(device):
-        return f"auto: fp8 matmul ({cfg.activation_scaling})"
-    return f"auto: {int8_label} on {device}" if int8_supported(device) else f"auto: weight-only on {device}"
+        return f"auto: fp8 matmul ({cfg.activation_scaling}) {how}, else weight-only"
+    converted = len(getattr(ops, "int8_layers", None) or ())
+    if converted:
+        return f"auto: {int8_label} on {device} {how} ({converted} layers converted)"
+    return f"auto: weight-only on {device}"
 
 
 def _progress_fn():
@@ -158,7 +183,10 @@ def _adopt(patcher, header: formats.SafetensorsHeader) -> None:
 def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict:
     s = report.summary()
     s["layers_total"] = report.linear_weights
-    s["compute_path"] = _path_label(cfg)
+    s["compute_path"] = _path_label(cfg, ops)
+    # what the fast-path proofs chose on this device so far (the load's own int8 measurement included;
+    # products first run by the sampler are proven then, logged, and listed by the next load)
+    s["fast_paths"] = choice.summary_lines(comfy.model_management.get_torch_device())
     layers = getattr(ops, "int8_layers", None)
     if layers:
         # per-layer SQNR of the int8 conversion against the file's weights
@@ -195,8 +223,9 @@ class LoadFP8DiffusionModel(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
-        cfg = _config(compute_path, activation_scaling, compute_dtype)
+    def execute(cls, unet_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
+                fast_paths=FAST_PATHS[0]) -> io.NodeOutput:
+        cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
         header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
         ops = _ops(cfg, patch_rounding)
         options = {"custom_operations": ops}
@@ -232,8 +261,9 @@ class LoadFP8Checkpoint(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, ckpt_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
-        cfg = _config(compute_path, activation_scaling, compute_dtype)
+    def execute(cls, ckpt_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
+                fast_paths=FAST_PATHS[0]) -> io.NodeOutput:
+        cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
         header, sd, report, metadata = _read("checkpoints", ckpt_name, cfg)
         for k in list(sd):
             if k.startswith(VAE_PREFIXES) and isinstance(sd[k], QuantizedTensor):
@@ -275,8 +305,9 @@ class LoadFP8TextEncoder(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, clip_name, type, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest") -> io.NodeOutput:
-        cfg = _config(compute_path, activation_scaling, compute_dtype)
+    def execute(cls, clip_name, type, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
+                fast_paths=FAST_PATHS[0]) -> io.NodeOutput:
+        cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
         header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
         clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
         ops = _ops(cfg, patch_rounding)

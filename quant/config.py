@@ -38,12 +38,17 @@ class ComputeConfig:
     int8_rotation:
         weights converted for the int8 path get a 128-wide block Hadamard rotation of K where K is
         a multiple of 128 (spreads activation outliers before the per-token rounding); False = none
+    trust_fast_paths:
+        False (the default): every fast path is proven by value on this device, and timed against the
+        plain path, the first time a kind of product meets it (``compute/choice.py``); True: take the
+        fast paths by the device's capability alone, without proving them
     """
 
     path: str = "auto"
     activation_scaling: str = "auto"
     compute_dtype: torch.dtype | None = None
     int8_rotation: bool = True
+    trust_fast_paths: bool = False
 
     def __post_init__(self):
         if self.path not in PATHS:

@@ -2,7 +2,7 @@
 //
 // After one of the pack's nodes runs, ComfyUI hands the node's `ui` payload to `onExecuted`. This
 // extension draws it on the node itself, in one panel per node:
-//   ui.fp8_summary  [{format, layers_quantized, layers_total, bytes_on_disk, bytes_bf16, compute_path, int8?}]
+//   ui.fp8_summary  [{format, layers_quantized, layers_total, bytes_on_disk, bytes_bf16, compute_path, fast_paths, int8?}]
 //   ui.fp8_quality  [{granularity, dtype, layers, kept, mean_sqnr_db, min_sqnr_db, worst_layer}]
 //   ui.engram_hits  [{stream, tokens: [{text, strength, hit}]}]   the prompt, hit words highlighted
 //   ui.text         [string]                                       plain text reports
@@ -55,6 +55,7 @@ function renderSummary(summary) {
     `${mib(summary.bytes_on_disk)} on disk vs ${mib(summary.bytes_bf16)} bf16 (${(ratio * 100).toFixed(0)}%)`,
   ];
   if (summary.compute_path && summary.compute_path !== "-") lines.push(`compute: ${summary.compute_path}`);
+  for (const line of summary.fast_paths || []) lines.push(`proven: ${line}`);
   if (summary.int8) lines.push(`int8: ${summary.int8.layers} layers, SQNR mean ${Number(summary.int8.mean_sqnr_db).toFixed(1)} dB, min ${Number(summary.int8.min_sqnr_db).toFixed(1)} dB`);
   for (const line of lines) box.append(el("div", "fp8-engram-line", line));
   return box;

@@ -5,6 +5,9 @@
     int8.py       the int8 x int8 path and the conversion of FP8 weights to int8
     nvfp4.py      the NVFP4 weight-only linear
     failures.py   failures remembered per device and kind of product
+    choice.py     which path a kind of product takes: proven, timed, remembered (a JSON cache)
+    proof.py      the proof-by-value and timing rules every fast path passes
+    candidates.py each path's run, eager twin and reference, for the proof
     matmul.py     QuantizedTensor's matmul-like ops, routed to linear.py
 """
 

@@ -31,7 +31,7 @@ from ..tensor import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["int8_supported", "int8_fast", "to_int8", "int8_linear", "default_rotation", "conversion_sqnr_db",
+__all__ = ["int8_supported", "int8_fast", "int8_available", "to_int8", "int8_linear", "default_rotation", "conversion_sqnr_db",
            "is_int8", "ROTATION_BLOCK"]
 
 ROTATION_BLOCK = 128
@@ -58,6 +58,16 @@ def int8_fast(device) -> bool:
         cpu = getattr(torch, "cpu", None)
         probes = ("_is_vnni_supported", "_is_amx_tile_supported")
         return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+    return device.type == "cuda" and _capability(device) >= (8, 0)
+
+
+def int8_available(device) -> bool:
+    """Does an int8 GEMM of the pack run on the device at all (``torch._int_mm`` on the CPU, the Triton
+    GEMM from CUDA capability 8.0)? Where it does, "auto" proves and times it against weight-only
+    (``compute/choice.py``) instead of trusting ``int8_fast``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return hasattr(torch, "_int_mm")
     return device.type == "cuda" and _capability(device) >= (8, 0)
 
 

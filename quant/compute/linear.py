@@ -30,7 +30,7 @@ from ..errors import QuantizationError
 from ..kernels import ops as kernel_ops
 from ..runtime import log_once, tracing, workspace
 from ..tensor import QuantizedTensor
-from . import failures as fails, int8, nvfp4, scaled_mm as sm
+from . import candidates as cand, choice, failures as fails, int8, nvfp4, scaled_mm as sm
 from .failures import device_key as _device_key, first_line as _first_line, is_oom as _is_oom
 from .scaled_mm import ACT_DTYPE as _ACT_DTYPE, fp8_supported
 
@@ -126,35 +126,41 @@ def _block_weight_scale(w: QuantizedTensor, form: str) -> torch.Tensor:
     return _cached_on_weight(w, "block_scale_" + form, lambda: sm.block_scale_b(w.scale, form))
 
 
-def _fp8_mm(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype,
-            bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """fp8 x fp8 product ``x2d @ W.T (+ bias)``, or None after a logged failure. A failure other
-    than out-of-memory is remembered for its (device, layout, scaling, dtypes): later calls of
-    that kind go weight-only without trying (see ``fails.fp8_failed``)."""
-    try:
-        k = kernel_ops if _traced("fp8", x2d.device) else kernels
-        scaling = w.layout.fp8_scaling(w.qdata.shape)
-        if scaling == "block":
-            a_form, b_form = sm.blockwise_form(x2d.device)
-            xq, sa = k.quantize_groups(x2d, _ACT_DTYPE)
-            if a_form == "m_padded":
-                sa = sm.pad_rows(sa, 4)
-            sb = _block_weight_scale(w, b_form)
+def _fp8_product(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8 x fp8 product ``x2d @ W.T (+ bias)``: the activation quantizer, then the scaled matmul."""
+    k = kernel_ops if _traced("fp8", x2d.device) else kernels
+    scaling = w.layout.fp8_scaling(w.qdata.shape)
+    if scaling == "block":
+        a_form, b_form = sm.blockwise_form(x2d.device)
+        xq, sa = k.quantize_groups(x2d, _ACT_DTYPE)
+        if a_form == "m_padded":
+            sa = sm.pad_rows(sa, 4)
+        sb = _block_weight_scale(w, b_form)
+    else:
+        mode = _scaling_mode(w, cfg)
+        if mode == "dynamic_row":
+            xq, sa = k.quantize_rows(x2d, _ACT_DTYPE)
+            sb = _row_weight_scale(w)
         else:
-            mode = _scaling_mode(w, cfg)
-            if mode == "dynamic_row":
-                xq, sa = k.quantize_rows(x2d, _ACT_DTYPE)
+            xq, sa = k.quantize_tensor(
+                x2d, w.input_scale if mode == "static" else None, _ACT_DTYPE)
+            if scaling == "row":  # row-wise weight: both operands row-wise
+                sa = sa.reshape(1, 1).expand(x2d.shape[0], 1).contiguous()
                 sb = _row_weight_scale(w)
             else:
-                xq, sa = k.quantize_tensor(
-                    x2d, w.input_scale if mode == "static" else None, _ACT_DTYPE)
-                if scaling == "row":  # row-wise weight: both operands row-wise
-                    sa = sa.reshape(1, 1).expand(x2d.shape[0], 1).contiguous()
-                    sb = _row_weight_scale(w)
-                else:
-                    sb = w.scale.reshape(())
-        mm = sm.scaled_mm if k is kernel_ops else sm._scaled_mm
-        return mm(xq, w.qdata.t(), sa, sb, bias, out_dtype)
+                sb = w.scale.reshape(())
+    mm = sm.scaled_mm if k is kernel_ops else sm._scaled_mm
+    return mm(xq, w.qdata.t(), sa, sb, bias, out_dtype)
+
+
+def _fp8_mm(x2d: torch.Tensor, w: QuantizedTensor, cfg: ComputeConfig, out_dtype,
+            bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``_fp8_product``, or None after a logged failure. A failure other than out-of-memory is
+    remembered for its (device, layout, scaling, dtypes): later calls of that kind go weight-only
+    without trying (see ``fails.fp8_failed``)."""
+    try:
+        return _fp8_product(x2d, w, cfg, out_dtype, bias)
     except Exception as exc:  # a kernel that cannot run here must not break the model
         key = _failure_key(x2d, w, cfg, out_dtype)
         fails.remember_failure(fails.fp8_failed, key, exc, "fp8 x fp8 linear", x2d.device,
@@ -217,9 +223,12 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
             out_f, in_f = w.qdata.shape
             # custom ops while torch.compile traces
             k = kernel_ops if _traced("weight-only", x.device) else kernels
+            x2d = x.reshape(-1, in_f)
+            method = "auto" if k is kernel_ops else _gemm_or_plain(x2d, w, bias, cdt, block)
+            if method == "plain":
+                return F.linear(x, w.dequantize(cdt), bias)
             try:
-                y = k.weight_only_linear(
-                    x.reshape(-1, in_f), w.qdata, w.scale, block[0], block[1], bias)
+                y = k.weight_only_linear(x2d, w.qdata, w.scale, block[0], block[1], bias, method=method)
                 return y.reshape(*x.shape[:-1], out_f)
             except Exception as exc:  # a GEMM kernel that cannot run on this GPU: dequantize + cuBLAS
                 if k is kernel_ops or _is_oom(exc):
@@ -230,6 +239,39 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
                          "weight-only FP8 GEMM failed on %s (%s: %s); these layers dequantize and use cuBLAS from now "
                          "on (logged once)", x.device, type(exc).__name__, _first_line(exc))
     return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
+
+
+def _gemm_or_plain(x2d, w: QuantizedTensor, bias, cdt, block) -> str:
+    """"fused" or "plain" for a CUDA weight-only product: the fused GEMM where it is proven right and
+    measured faster than dequantize + cuBLAS for this shape class (``choice``), by token count where
+    the config trusts fast paths."""
+    cfg = w.config or DEFAULT_CONFIG
+    gemm_block = None if block[1] or tuple(block[0]) == (1, w.qdata.shape[1]) else tuple(block[0])
+    if not kernels.weight_only_gemm.supported(x2d, w.qdata, gemm_block):
+        return "plain"
+    if cfg.trust_fast_paths:
+        return "fused" if x2d.shape[0] <= kernels.FUSED_WEIGHT_ONLY_MAX_M else "plain"
+    out_f, in_f = w.qdata.shape
+    key = choice.key_for("weight-only GEMM", "weight_only", w.layout.key, x2d.shape[0], out_f, in_f, x2d.dtype,
+                         w.qdata.dtype, cdt, bias is not None)
+    v = choice.known(x2d.device, key)
+    if v is None:
+        xp, s, wref = _proof_parts(x2d, w)
+        cands = {
+            "gemm": cand.gemm(lambda: kernels.weight_only_linear(xp, w.qdata, w.scale, block[0], block[1], bias,
+                                                                 method="fused"), xp, wref, bias, cdt, s),
+            "plain": cand.plain(lambda: F.linear(xp, w.dequantize(cdt), bias), xp, wref, bias, s),
+        }
+        v = choice.decide(x2d.device, key, "weight-only GEMM", cands, s, fallback="plain")
+    return "fused" if v.chosen == "gemm" else "plain"
+
+
+def _proof_parts(x2d, w: QuantizedTensor):
+    """The proof's activation for ``x2d``'s shape class, its sample, and the weight's eager reference."""
+    out_f, in_f = w.qdata.shape
+    m = choice.shape_class(x2d.shape[0], out_f, in_f)[1]
+    xp = cand.proof_activation(m, in_f, x2d.dtype, x2d.device)
+    return xp, cand.Sample(m, out_f, x2d.device), cand.weight_reference(w)
 
 
 def _wo_key(x: torch.Tensor, w: QuantizedTensor, block, cdt):
@@ -251,7 +293,11 @@ def _int8_weight(x, w: QuantizedTensor, bias, cfg: ComputeConfig):
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return None  # autograd goes through the dequantized weight
     if int8.is_int8(w):
-        return w if cfg.path != "auto" or int8.int8_fast(x.device) else None
+        if cfg.path != "auto":
+            return w
+        # "auto": a candidate wherever an int8 kernel runs (the choice measures it), or by capability
+        fast = int8.int8_fast(x.device) if cfg.trust_fast_paths else int8.int8_available(x.device)
+        return w if fast else None
     if cfg.path == "int8":
         # one conversion kept per rotation choice: a call that overrides int8_rotation must not get the other's
         if cfg.int8_rotation:
@@ -298,6 +344,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         )
     cdt = _compute_dtype(x, cfg)
     w8 = _int8_weight(x, weight, bias, cfg)
+    fp8 = w8 is None and _wants_fp8(x, weight, cfg)
+    if w8 is not None or fp8:
+        route = _route(x, weight, w8, bias, cfg, cdt)
+        if route == "weight-only":  # (an int8 weight is its own w8)
+            return _weight_only(x, weight, bias, cdt)
     if w8 is not None:
         b = None if bias is None else bias.to(cdt)
         if fails.int8_failed and (_device_key(x.device), w8.layout, x.dtype, cdt) in fails.int8_failed:
@@ -308,8 +359,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
             fails.remember_failure(fails.int8_failed, (_device_key(x.device), w8.layout, x.dtype, cdt), exc, "int8 linear",
                               x.device, f"{w8.layout} weights, {x.dtype} -> {cdt}")
             return _weight_only(x, w8, b, cdt)
-    if not _wants_fp8(x, weight, cfg) or (
-            fails.fp8_failed and _failure_key(x, weight, cfg, cdt) in fails.fp8_failed):
+    if not fp8 or (fails.fp8_failed and _failure_key(x, weight, cfg, cdt) in fails.fp8_failed):
         return _weight_only(x, weight, bias, cdt)
 
     x2d = x if x.dim() == 2 else x.reshape(-1, in_f)
@@ -328,3 +378,90 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         if out is None:
             return _weight_only(x, weight, bias, cdt)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_f)
+
+
+# ---------------------------------------------------------------------------------------------
+# the choice between the fast path and weight-only (choice.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _route(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt) -> str:
+    """"int8", "fp8" or "weight-only" for this product: the fast path where it was proven right on this
+    device and, unless forced, measured faster than weight-only for this shape class. Where the config
+    trusts fast paths, while torch.compile traces (without a verdict) and under autograd, the fast path
+    is taken as the config asks, unproven."""
+    fast = "int8" if w8 is not None else "fp8"
+    if cfg.trust_fast_paths or (torch.is_grad_enabled() and (
+            x.requires_grad or (bias is not None and bias.requires_grad))):
+        return fast
+    out_f, in_f = w.qdata.shape
+    m = x.numel() // in_f
+    if fast == "int8":
+        kind, mode, wdt = "int8", cfg.path, w8.qdata.dtype
+        layout_key = f"int8/rotation{w8.layout.rotation}"
+    else:
+        scaling = w.layout.fp8_scaling(w.qdata.shape)
+        kind = f"fp8 x fp8 per {scaling}" if scaling != "block" else "fp8 x fp8 block-wise"
+        mode, layout_key, wdt = f"{cfg.path}/{_scaling_mode(w, cfg)}", w.layout.key, w.qdata.dtype
+    key = choice.key_for(kind, mode, layout_key, m, out_f, in_f, x.dtype, wdt, cdt, bias is not None)
+    v = choice.known(x.device, key)
+    if v is None:
+        if tracing():
+            return fast
+        try:
+            v = _decide(x, w, w8, bias, cfg, cdt, key, kind, fast)
+        except Exception as exc:  # out of memory while proving (all else is a verdict): this call weight-only
+            if not _is_oom(exc):
+                raise
+            log_once(logger, ("proof_oom", key), logging.WARNING, "proving %s ran out of memory on %s; this call "
+                     "runs weight-only, the next proves again (logged once)", kind, x.device)
+            return "weight-only"
+    return v.chosen
+
+
+def _decide(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt, key: str, kind: str, fast: str):
+    out_f, in_f = w.qdata.shape
+    x2d = x.reshape(-1, in_f)
+    b = None if bias is None else bias.to(cdt)
+    forced = fast if cfg.path in ("fp8", "int8") else None
+    if fast == "int8":
+        xp, s, wref = _proof_parts(x2d, w8)
+        cands = {"int8": cand.int8(lambda: int8.int8_linear(xp, w8, b, cdt), xp, w8, b, cdt, s)}
+    else:
+        xp, s, wref = _proof_parts(x2d, w)
+        scaling = w.layout.fp8_scaling(w.qdata.shape)
+        cands = {"fp8": cand.fp8(lambda: _fp8_product(xp, w, cfg, cdt, b), xp, wref, b, cdt, s, scaling=scaling,
+                                 mode=_scaling_mode(w, cfg), input_scale=w.input_scale, act_dtype=_ACT_DTYPE)}
+    if forced is None:
+        base = w8 if fast == "int8" else w
+        bref = wref if fast != "int8" else cand.weight_reference(w8)
+        cands["weight-only"] = cand.plain(lambda: _weight_only(xp, base, b, cdt), xp, bref, b, s)
+    return choice.decide(x.device, key, kind, cands, s, forced=forced, fallback="weight-only")
+
+
+def int8_conversion_wins(w: QuantizedTensor, device, m: int = 1024) -> bool:
+    """Should a loader convert this FP8 weight to int8 for ``device`` ("auto")? Yes where the int8 path,
+    proven right there, runs this weight's shape class (``m`` tokens, the class most diffusion and text
+    layers run in) faster than weight-only on the FP8 weight; by ``int8.int8_supported`` where the
+    weight's config trusts fast paths. Measured once per shape class (kind "int8 at load")."""
+    cfg = w.config or DEFAULT_CONFIG
+    if cfg.trust_fast_paths:
+        return int8.int8_supported(device)
+    device = torch.device(device)
+    if not int8.int8_available(device) or (device.type == "cuda" and sm.fp8_supported(device)):
+        return False  # no int8 kernel, or FP8 units: the fp8 path is the fast one there
+    out_f, in_f = w.qdata.shape
+    cdt = w.orig_dtype if w.orig_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    key = choice.key_for("int8 at load", "auto", w.layout.key, m, out_f, in_f, cdt, w.qdata.dtype, cdt, False)
+    v = choice.known(device, key)
+    if v is None:
+        wd = w if w.qdata.device == device else QuantizedTensor.from_parts(
+            w.qdata.to(device), w.scale.to(device), w.layout, orig_dtype=w.orig_dtype, config=cfg)
+        w8 = int8.to_int8(wd, None if cfg.int8_rotation else 0)
+        xp = cand.proof_activation(choice.shape_class(m, out_f, in_f)[1], in_f, cdt, device)
+        s = cand.Sample(xp.shape[0], out_f, device)
+        cands = {"int8": cand.int8(lambda: int8.int8_linear(xp, w8, None, cdt), xp, w8, None, cdt, s),
+                 "weight-only": cand.plain(lambda: _weight_only(xp, wd, None, cdt), xp, cand.weight_reference(wd),
+                                           None, s)}
+        v = choice.decide(device, key, "int8 at load", cands, s, fallback="weight-only")
+    return v.chosen == "int8"

@@ -25,7 +25,8 @@ lin = importlib.import_module("fp8_engram.quant.compute.linear")
 sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
 
 fails = importlib.import_module("fp8_engram.quant.compute.failures")
-FP8 = ComputeConfig(path="fp8")
+# these tests count the kernel calls and failures of a trusted path; proving is tested in test_fast_path_choice.py
+FP8 = ComputeConfig(path="fp8", trust_fast_paths=True)
 CPU = torch.device("cpu")
 
 
@@ -137,7 +138,7 @@ def test_a_dtype_refusal_is_remembered_for_that_scaling_only(api, monkeypatch):
     from fp8_engram.quant import PerTensor
     seen.clear()
     F.linear(x, QuantizedTensor.from_float(w, PerTensor(), config=ComputeConfig(
-        path="fp8", activation_scaling="dynamic_tensor")))
+        path="fp8", activation_scaling="dynamic_tensor", trust_fast_paths=True)))
     assert seen == [torch.float16]
 
 

@@ -133,10 +133,14 @@ def test_the_path_choice(monkeypatch):
     assert not torch.equal(wo, int8_out)
     assert torch.equal(linear(x, w8, None, ComputeConfig(path="weight_only")), wo)
     assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), int8_out)
+    # trusting fast paths: "auto" by the device's capability
     for fast in (True, False):
         monkeypatch.setattr(qint8, "int8_fast", lambda device, fast=fast: fast)
-        got = linear(x, w8, None, ComputeConfig(path="auto"))
+        got = linear(x, w8, None, ComputeConfig(path="auto", trust_fast_paths=True))
         assert torch.equal(got, int8_out if fast else wo)
+    # proving (the default): "auto" takes whichever of the two measured faster, never a third result
+    got = linear(x, w8, None, ComputeConfig(path="auto"))
+    assert torch.equal(got, int8_out) or torch.equal(got, wo)
     # autograd: the input gradient goes through the dequantized weight
     xg = x.clone().requires_grad_(True)
     linear(xg, w8, None, ComputeConfig(path="int8")).sum().backward()
@@ -224,16 +228,18 @@ def test_a_failing_int8_kernel_falls_back_to_weight_only_and_is_not_retried(monk
         raise error
 
     monkeypatch.setattr(qint8, "int8_linear", broken)
+    # the failure memory of a trusted path (proving is tested in test_fast_path_choice.py)
+    TRUSTED_INT8 = ComputeConfig(path="int8", trust_fast_paths=True)
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB")
     for _ in range(2):
-        assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), F.linear(x, w8.dequantize()))
+        assert torch.equal(linear(x, w8, None, TRUSTED_INT8), F.linear(x, w8.dequantize()))
     assert len(calls) == 2 and not fails.int8_failed
     error = RuntimeError("no int8 kernel here")
     for _ in range(3):
-        assert torch.equal(linear(x, w8, None, ComputeConfig(path="int8")), F.linear(x, w8.dequantize()))
+        assert torch.equal(linear(x, w8, None, TRUSTED_INT8), F.linear(x, w8.dequantize()))
     assert len(calls) == 3 and len(fails.int8_failed) == 1
     # another activation dtype is another kind: tried
-    linear(x.bfloat16(), w8, None, ComputeConfig(path="int8"))
+    linear(x.bfloat16(), w8, None, TRUSTED_INT8)
     assert len(calls) == 4
 
 

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.unit
 lin = importlib.import_module("fp8_engram.quant.compute.linear")
 sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
 fails = importlib.import_module("fp8_engram.quant.compute.failures")
-FP8 = ComputeConfig(path="fp8")
+# these tests count the kernel calls and failures of a trusted path; proving is tested in test_fast_path_choice.py
+FP8 = ComputeConfig(path="fp8", trust_fast_paths=True)
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_supported(torch.device("cuda"))
 
 

@@ -1,0 +1,147 @@
+"""Proof by value and timing of a fast path: the two measurements a path must pass before it runs.
+
+A fast path (a Triton GEMM, a scaled matmul, an int8 GEMM) is accepted on a device only when its output,
+on a layer's own weight and a seeded activation, is as close to a reference of the same math as its eager
+twin's is. The reference never runs the kernel under proof: it takes the same quantized operands,
+dequantized, and multiplies them in float64 (float32 on a GPU, where float64 matmuls are slow; its
+rounding is still some thousand times below a bfloat16 output's). Rules, stated once here:
+
+- error is measured as SQNR (dB) against the reference over the positions where the reference is finite;
+- a path passes when its SQNR is at least the twin's minus ``MARGIN_DB``, the twin's counted as at most
+  ``CEILING_DB`` (a twin with float32 output is nearly exact; a kernel need not match that, only stay far
+  above what a wrong kernel gives): a kernel 1% off everywhere measures 40 dB and fails against any twin
+  of 43 dB or better (a bfloat16 output rounds at ~59 dB);
+- its NaN/Inf positions must be the reference's.
+
+Timing: ``time_interleaved`` runs every candidate in turn, round after round (so a machine busy for a
+moment slows all of them alike), after the proof run warmed each one up: CUDA events on a GPU, the
+process's clock on the CPU, the median of the rounds. Pure torch; never imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MARGIN_DB", "CEILING_DB", "Proof", "sqnr_db", "judge", "seeded_activation", "sample_index",
+           "time_interleaved", "reference_dtype"]
+
+MARGIN_DB = 3.0
+CEILING_DB = 60.0
+
+
+@dataclass(frozen=True)
+class Proof:
+    """One path's proof: its SQNR and its twin's against the reference, and the verdict."""
+
+    ok: bool
+    sqnr_db: float
+    twin_db: float
+    why: str = ""
+
+    def as_dict(self) -> dict:
+        return {"ok": self.ok, "sqnr_db": _finite_or_text(self.sqnr_db), "twin_db": _finite_or_text(self.twin_db),
+                "why": self.why}
+
+
+def _finite_or_text(v: float):
+    return round(v, 2) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
+
+
+def reference_dtype(device) -> torch.dtype:
+    return torch.float64 if torch.device(device).type == "cpu" else torch.float32
+
+
+def sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """SQNR (dB) of ``y`` against ``ref`` over the positions where ``ref`` is finite; a non-finite ``y``
+    there makes it -inf. Sums in float64."""
+    ref = ref.to(torch.float64)
+    y = y.to(device=ref.device, dtype=torch.float64)
+    keep = torch.isfinite(ref)
+    r, v = ref[keep], y[keep]
+    if not bool(torch.isfinite(v).all()):
+        return -math.inf
+    err = float((v - r).pow(2).sum())
+    sig = float(r.pow(2).sum())
+    if err == 0.0:
+        return math.inf
+    return 10.0 * math.log10(sig / err) if sig > 0 else -math.inf
+
+
+def _bad_positions(y: torch.Tensor, ref: torch.Tensor) -> int:
+    """How many positions are finite in one of ``y`` and ``ref`` and not in the other, or NaN in one and
+    an infinity in the other."""
+    y = y.to(device=ref.device)
+    differ = torch.isfinite(y) != torch.isfinite(ref)
+    differ |= torch.isnan(y) != torch.isnan(ref)
+    return int(differ.sum())
+
+
+def judge(out: torch.Tensor, twin: torch.Tensor, ref: torch.Tensor) -> Proof:
+    """Does ``out`` (the fast path's output) pass against ``ref``, given what ``twin`` (its eager twin's
+    output on the same operands) achieves?"""
+    got, twin_db = sqnr_db(out, ref), sqnr_db(twin, ref)
+    bad = _bad_positions(out, ref)
+    if bad:
+        return Proof(False, got, twin_db, f"{bad} NaN/Inf positions differ from the reference")
+    need = min(twin_db, CEILING_DB) - MARGIN_DB
+    if not got >= need:  # NaN-safe
+        return Proof(False, got, twin_db, f"{got:.1f} dB, twin {twin_db:.1f} dB (needs {need:.1f})")
+    return Proof(True, got, twin_db)
+
+
+def seeded_activation(m: int, k: int, dtype: torch.dtype, device, seed: int = 0) -> torch.Tensor:
+    """A reproducible ``[m, k]`` activation shaped like a diffusion transformer's: unit normal values with a
+    few channels 30 times larger (the outliers that per-token scales must live with)."""
+    g = torch.Generator().manual_seed(seed * 1000003 + k)
+    x = torch.randn(m, k, generator=g)
+    channels = torch.randperm(k, generator=g)[: max(1, k // 128)]
+    x[:, channels] *= 30.0
+    return x.to(device=device, dtype=dtype)
+
+
+def sample_index(n: int, limit: int, device) -> torch.Tensor:
+    """At most ``limit`` indices spread evenly over ``range(n)``, first and last included."""
+    if n <= limit:
+        return torch.arange(n, device=device)
+    return torch.linspace(0, n - 1, limit, device=device).round().long().unique()
+
+
+def _clock(device):
+    device = torch.device(device)
+    if device.type == "cuda":
+        def timed(fn):
+            with torch.cuda.device(device):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / 1e3
+        return timed
+
+    def timed_cpu(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return timed_cpu
+
+
+def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None = None) -> dict:
+    """Median seconds per call of each of ``fns`` (name -> callable without arguments), timed in turn for
+    ``rounds`` rounds; when ``budget_s`` is given, rounds stop early once it is spent (at least one round
+    always runs)."""
+    timed = _clock(device)
+    samples: dict = {name: [] for name in fns}
+    spent = 0.0
+    for i in range(max(1, rounds)):
+        for name, fn in fns.items():
+            s = timed(fn)
+            samples[name].append(s)
+            spent += s
+        if budget_s is not None and spent >= budget_s:
+            break
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
