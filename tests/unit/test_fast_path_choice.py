@@ -1,0 +1,275 @@
+"""Fast paths proven by value and chosen by measurement (quant/compute/choice.py), on the CPU.
+
+Kernels are injected through the real dispatch: the CPU int8 GEMM (``torch._int_mm`` behind
+``compute.int8.int8_linear_mm``) and the scaled matmul (``compute.scaled_mm._scaled_mm``) are replaced by
+versions that are 1% off, return zeros, return NaN or sleep; ``linear`` then proves them on first use.
+The proofs on a real GPU are in test_kernels_cuda.py / bench/gpu_check.sh (skipped here: no GPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fp8_engram.quant import ComputeConfig, PerRow, QuantizedTensor, linear
+from fp8_engram.quant.compute import choice, int8 as qint8, proof
+
+sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
+lin = importlib.import_module("fp8_engram.quant.compute.linear")
+
+AUTO = ComputeConfig(path="auto")
+
+
+def _weights(n=256, k=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    return QuantizedTensor.from_float(w, PerRow()), qint8.to_int8(QuantizedTensor.from_float(w, PerRow()))
+
+
+def _x(m=40, k=512, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _inject_int8(monkeypatch, how: str, calls: list | None = None):
+    real = qint8.int8_linear_mm
+
+    def fake(xq, sa, wq, sb, bias, out_dtype):
+        if calls is not None:
+            calls.append(xq.shape[0])
+        out = real(xq, sa, wq, sb, bias, out_dtype)
+        if how == "wrong":
+            return out * 1.01
+        if how == "zeros":
+            return torch.zeros_like(out)
+        if how == "nan":
+            out = out.clone()
+            out[0, 0] = float("nan")
+            return out
+        if how == "slow":
+            time.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(qint8, "int8_linear_mm", fake)
+
+
+def _slow_plain(monkeypatch, seconds=0.5):
+    """The weight-only path made slower per call (its CPU dequantization) than any int8 product here."""
+    real = lin._dequantized_weight
+
+    def slow(*args):
+        time.sleep(seconds)
+        return real(*args)
+
+    monkeypatch.setattr(lin, "_dequantized_weight", slow)
+
+
+def _verdict(kind: str):
+    found = [v for v in choice.verdicts("cpu") if v.kind == kind]
+    assert len(found) == 1, [v.key for v in choice.verdicts("cpu")]
+    return found[0]
+
+
+# ----- the rules -----
+
+def test_a_kernel_one_percent_off_fails_and_the_twin_passes():
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(64, 256, generator=g, dtype=torch.float64)
+    twin = ref.to(torch.bfloat16)
+    assert proof.judge(twin, twin, ref).ok
+    assert proof.judge(twin.double() * 1.01, twin, ref).ok is False
+    zeros = proof.judge(torch.zeros_like(twin), twin, ref)
+    assert not zeros.ok and zeros.sqnr_db == 0.0
+    nan = twin.clone()
+    nan[3, 7] = float("nan")
+    verdict = proof.judge(nan, twin, ref)
+    assert not verdict.ok and "NaN/Inf positions" in verdict.why
+    # an infinity where the reference has one is no fault
+    ref_inf = ref.clone()
+    ref_inf[0, 0] = float("inf")
+    both = twin.clone()
+    both[0, 0] = float("inf")
+    assert proof.judge(both, both, ref_inf).ok
+    # a twin with float32 output is held to the ceiling, not to its own 140 dB
+    exactish = ref.float()
+    assert proof.judge(ref * (1 + 1e-4), exactish, ref).ok  # 80 dB: far above any wrong kernel
+
+
+# ----- injected kernels, through linear() -----
+
+@pytest.mark.parametrize("how", ["wrong", "zeros", "nan"])
+def test_a_wrong_int8_kernel_is_refused_and_weight_only_runs(monkeypatch, caplog, how):
+    _, w8 = _weights()
+    x = _x()
+    _inject_int8(monkeypatch, how)
+    with caplog.at_level(logging.WARNING, logger="fp8_engram.quant.compute.linear"):
+        y = linear(x, w8, None, AUTO)
+        y2 = linear(x, w8, None, AUTO)
+    expected = torch.nn.functional.linear(x, w8.dequantize(torch.bfloat16))
+    assert torch.equal(y, expected) and torch.equal(y2, expected)
+    v = _verdict("int8")
+    assert v.chosen == "weight-only" and v.proofs["int8"]["ok"] is False
+    assert "weight-only" in v.proofs and v.proofs["weight-only"]["ok"] is True
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and "int8" in refused[0], refused  # logged once, with the figures
+    if how == "nan":
+        assert "NaN/Inf positions" in refused[0]
+    else:
+        assert "dB" in refused[0] and "twin" in refused[0]
+    assert any("wrong on this device" in line for line in choice.summary_lines("cpu"))
+
+
+def test_a_forced_int8_path_that_is_wrong_runs_weight_only(monkeypatch):
+    w, _ = _weights()
+    x = _x()
+    _inject_int8(monkeypatch, "wrong")
+    y = linear(x, w, None, ComputeConfig(path="int8"))
+    assert torch.equal(y, torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))  # the FP8 weight, not int8
+    v = _verdict("int8")
+    assert v.chosen == "weight-only" and v.why.startswith("forced, refused")
+
+
+def test_the_slow_path_loses_either_way(monkeypatch):
+    _, w8 = _weights()
+    x = _x()
+    _inject_int8(monkeypatch, "slow")
+    linear(x, w8, None, AUTO)
+    v = _verdict("int8")
+    assert v.proofs["int8"]["ok"] and v.chosen == "weight-only", v.as_dict()
+    assert v.seconds["int8"] > v.seconds["weight-only"] + 0.04
+    # and the other way: the plain path made slow, the (right) int8 path wins
+    monkeypatch.undo()
+    choice.reset()
+    _slow_plain(monkeypatch)
+    calls = []
+    _inject_int8(monkeypatch, "none", calls)
+    y = linear(x, w8, None, AUTO)
+    v = _verdict("int8")
+    assert v.chosen == "int8" and "x weight-only" in v.why, v.as_dict()
+    assert torch.equal(y, qint8.int8_linear(x, w8, None, torch.bfloat16))
+    n = len(calls)
+    linear(x, w8, None, AUTO)
+    assert len(calls) == n + 1  # decided once: the second call runs the kernel once, proves nothing
+
+
+def test_a_wrong_scaled_mm_is_refused_on_the_forced_fp8_path(monkeypatch, caplog):
+    if sm.scaled_mm_api("cpu") is None:
+        pytest.skip(f"torch {torch.__version__} has no scaled matmul with a CPU kernel")
+    w, _ = _weights()
+    x = _x()
+    right = linear(x, w, None, ComputeConfig(path="fp8"))
+    assert _verdict("fp8 x fp8 per row").chosen == "fp8"
+    choice.reset()
+    real = sm._scaled_mm
+    monkeypatch.setattr(sm, "_scaled_mm", lambda *a: real(*a) * 1.01)
+    with caplog.at_level(logging.WARNING, logger="fp8_engram.quant.compute.linear"):
+        y = linear(x, w, None, ComputeConfig(path="fp8"))
+    assert torch.equal(y, torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
+    assert not torch.equal(y, right)
+    assert any("refused" in r.getMessage() for r in caplog.records)
+
+
+def test_the_int8_conversion_at_load_is_decided_by_measurement(monkeypatch):
+    w, _ = _weights()
+    _slow_plain(monkeypatch)
+    assert lin.int8_conversion_wins(w, "cpu") is True
+    monkeypatch.undo()
+    choice.reset()
+    _inject_int8(monkeypatch, "slow")
+    assert lin.int8_conversion_wins(w, "cpu") is False
+    v = _verdict("int8 at load")
+    assert v.chosen == "weight-only" and set(v.seconds) == {"int8", "weight-only"}
+    # trusting fast paths: by capability, nothing measured
+    choice.reset()
+    trusted = w.with_config(ComputeConfig(trust_fast_paths=True))
+    assert lin.int8_conversion_wins(trusted, "cpu") is qint8.int8_supported("cpu")
+    assert not choice.verdicts("cpu")
+
+
+def test_trusting_fast_paths_proves_nothing(monkeypatch):
+    _, w8 = _weights()
+    _inject_int8(monkeypatch, "wrong")
+    y = linear(_x(), w8, None, ComputeConfig(path="int8", trust_fast_paths=True))
+    assert not choice.verdicts("cpu")
+    assert not torch.equal(y, torch.nn.functional.linear(_x(), w8.dequantize(torch.bfloat16)))
+
+
+# ----- the cache file -----
+
+_SECOND = r"""
+import json, sys, time
+import torch
+from fp8_engram.quant import ComputeConfig, PerRow, QuantizedTensor, linear
+from fp8_engram.quant.compute import choice, int8 as qint8
+if sys.argv[2] == "new-pack":
+    choice._pack_version = lambda: "99.0"
+choice.configure(sys.argv[1])
+w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0)) * 0.05
+w8 = qint8.to_int8(QuantizedTensor.from_float(w, PerRow()))
+x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+t0 = time.perf_counter()
+linear(x, w8, None, ComputeConfig())
+took = time.perf_counter() - t0
+v = [v for v in choice.verdicts("cpu") if v.kind == "int8"][0]
+print(json.dumps({"source": v.source, "chosen": v.chosen, "took": took}))
+"""
+
+
+def _run_second(path, mode="same"):
+    import os
+    from pathlib import Path
+
+    import fp8_engram
+
+    env = dict(os.environ, PYTHONPATH=str(Path(fp8_engram.__file__).parent.parent))  # the link the tests import it by
+    out = subprocess.run([sys.executable, "-c", _SECOND, str(path), mode], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_reuses_the_verdicts_and_a_changed_stack_proves_again(tmp_path):
+    path = tmp_path / "user" / "fp8_engram" / "fast_paths.json"
+    choice.configure(path)
+    _, w8 = _weights()
+    linear(_x(), w8, None, AUTO)
+    first = _verdict("int8")
+    assert first.source == "measured" and path.exists()
+    data = json.loads(path.read_text())
+    (sid, entry), = data["stacks"].items()
+    assert entry["stack"]["device_type"] == "cpu" and entry["stack"]["torch"] == torch.__version__
+    assert first.key in entry["verdicts"]
+    again = _run_second(path)
+    assert again["source"] == "cache" and again["chosen"] == first.chosen
+    changed = _run_second(path, "new-pack")
+    assert changed["source"] == "measured"
+    assert len(json.loads(path.read_text())["stacks"]) == 2  # the old stack's verdicts are kept beside it
+
+
+def test_a_damaged_cache_file_is_proven_again_and_rewritten(tmp_path, caplog):
+    path = tmp_path / "fast_paths.json"
+    path.write_text("{ not json")
+    choice.configure(path)
+    _, w8 = _weights()
+    with caplog.at_level(logging.WARNING, logger="fp8_engram.quant.compute.linear"):
+        linear(_x(), w8, None, AUTO)
+    assert any(str(path) in r.getMessage() for r in caplog.records)
+    assert _verdict("int8").source == "measured"
+    assert json.loads(path.read_text())["format"] == choice.FORMAT
+
+
+def test_forget_proves_again(tmp_path):
+    path = tmp_path / "fast_paths.json"
+    choice.configure(path)
+    _, w8 = _weights()
+    linear(_x(), w8, None, AUTO)
+    choice.forget("cpu")
+    assert not choice.verdicts("cpu") and not json.loads(path.read_text())["stacks"]
+    linear(_x(), w8, None, AUTO)
+    assert _verdict("int8").source == "measured"
