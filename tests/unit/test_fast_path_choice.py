@@ -273,3 +273,24 @@ def test_forget_proves_again(tmp_path):
     assert not choice.verdicts("cpu") and not json.loads(path.read_text())["stacks"]
     linear(_x(), w8, None, AUTO)
     assert _verdict("int8").source == "measured"
+
+
+# ----- the selftest CLI -----
+
+def test_selftest_tells_a_wrong_kernel_and_a_right_one(monkeypatch, capsys):
+    from fp8_engram.quant import selftest
+
+    monkeypatch.setattr(selftest, "SHAPES", {"sd3": ((256, 512),)})
+    assert selftest.main(["--device", "cpu", "--models", "sd3", "--tokens", "16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    kinds = {v["kind"] for v in report["verdicts"]}
+    assert {"int8", "int8 at load"} <= kinds, kinds
+    assert all(p["ok"] for v in report["verdicts"] for p in v["proofs"].values())
+    assert report["stack"]["device_type"] == "cpu"
+    choice.reset()
+    _inject_int8(monkeypatch, "wrong")
+    assert selftest.main(["--device", "cpu", "--models", "sd3", "--tokens", "16"]) == 0
+    text = capsys.readouterr().out
+    int8_rows = [line for line in text.splitlines() if line.startswith("int8 ")]
+    assert int8_rows and all("wrong on this device" in line for line in int8_rows), text
+    assert all(" weight-only " in line for line in int8_rows), text
