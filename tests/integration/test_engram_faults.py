@@ -7,7 +7,9 @@ file is rebuilt from it and says so; an unsaved memory says it was lost and how 
 interrupted load or training leaves nothing half-built for a later prompt; /free and a replaced memory
 end the worker processes.
 
-Kills and interrupts are sent from the test when ComfyUI's websocket says the target node is running.
+Kills and interrupts are sent from the test when ComfyUI's websocket says the target node is running;
+a kill meant for Engram Text Encode's lookup is sent while a slow branch that node waits for runs
+(kill_before_lookup).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import requests
 import torch
 from comfyhost import WorkflowError
 from helpers.graphs import TINY_UNET, sd3_txt2img
+from helpers.ws_watch import PromptWatch, execution_start, executing, progress_of
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.integration
@@ -116,68 +118,12 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> Non
 
 
 def run_with(comfy, graph: dict, trigger, action, timeout: float = 300.0) -> tuple[dict | None, WorkflowError | None, bool]:
-    """Queue `graph`; when a websocket message satisfies `trigger(type, data)`, call `action()` once.
+    """Queue `graph`; when a websocket message meets `trigger(message)`, call `action()` once.
     Returns (history or None, the WorkflowError or None, whether the action ran)."""
-    import websocket
-
-    ws = websocket.create_connection(f"{comfy.url.replace('http', 'ws', 1)}/ws?clientId={comfy.client_id}", timeout=1.0)
-    fired = threading.Event()
-    prompt_id = comfy.queue(graph)
-
-    def watch() -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not fired.is_set():
-            try:
-                raw = ws.recv()
-            except websocket.WebSocketTimeoutException:
-                continue
-            except Exception:
-                return
-            if not isinstance(raw, str):
-                continue
-            message = json.loads(raw)
-            data = message.get("data") or {}
-            if data.get("prompt_id") not in (None, prompt_id):
-                continue
-            if trigger(message.get("type"), data):
-                action()
-                fired.set()
-                return
-            if message.get("type") in ("execution_success", "execution_error", "execution_interrupted"):
-                return
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        try:
-            return comfy.wait(prompt_id, timeout), None, fired.is_set()
-        except WorkflowError as exc:
-            return None, exc, fired.is_set()
-    finally:
-        fired.set()
-        watcher.join(5)
-        ws.close()
-
-
-def kill_as_lookup_starts(comfy, graph: dict, kill_worker) -> WorkflowError | None:
-    """Queue `graph` and kill a worker as Engram Text Encode ("3") starts. Its lookup runs beside the
-    text encoder (the rows follow from the token ids), so on these tiny tables it often finishes
-    before the kill lands: then the prompt gives the right conditioning and the dead worker is the
-    next prompt's to find. Returns the prompt's error when the lookup met the dead worker, else None
-    (after checking the prompt's result)."""
-    history, exc, fired = run_with(comfy, graph, executing("3"), kill_worker)
-    assert fired, "the worker must be killed while the prompt runs"
-    if exc is None:
-        assert similarity(history) is not None
-    return exc
-
-
-def executing(node: str):
-    return lambda kind, data: kind == "executing" and data.get("node") == node
-
-
-def progressing(node: str, at_least: int = 1):
-    return lambda kind, data: kind == "progress" and data.get("node") == node and data.get("value", 0) >= at_least
+    watch = PromptWatch(comfy, timeout)
+    fired = watch.on(trigger, lambda message: action())
+    history, exc = watch.run(graph)
+    return history, exc, fired.ran
 
 
 def execution_error(exc: WorkflowError) -> dict:
@@ -212,6 +158,57 @@ def assert_worker_error(exc: WorkflowError, memory_words: str, rank: int = 1) ->
     assert f"worker rank {rank}" in message, message
     assert "Close this group" not in message  # nothing a user could not do from the graph
     return error
+
+
+# ----- a kill that lands before Engram Text Encode's lookup -----
+#
+# Engram Text Encode reads its rows straight from the shards' shared memory, beside the text encoder,
+# after one look at whether each worker process still runs: a worker killed as the node starts is
+# often still running at that look (the rows are read, the prompt succeeds), and a worker killed
+# before the prompt is queued makes the memory's node rebuild the memory as the prompt starts. So the
+# prompt that kills makes node 3 wait: its strength is the cosine of a slow branch (a second memory of
+# one rank, which has no worker process, trained for SLOW_STEPS steps, then read), so node 3 can only
+# start once that training is done. The worker is killed at the training's first progress message and
+# waited for until it has ended, seconds before the training ends.
+
+SLOW_STEPS = 1000  # about 5 s of training here (each step also sends a progress message): a kill ends in ~0.1 s
+
+
+def after_slow_training(graph: dict) -> dict:
+    """A copy of `graph` (a memory_graph) whose Engram Text Encode ("3") runs after a training ("71")."""
+    graph = json.loads(json.dumps(graph))
+    graph["70"] = new_memory(1103, ranks=1)
+    graph["70"]["inputs"]["seed"] = next(_serial) + 1  # a memory of its own each time: never served from the cache
+    graph["71"] = train_node(["70", 0], steps=SLOW_STEPS)
+    graph["72"] = {"class_type": "FP8Engram.EngramTextEncode", "inputs": {"clip": ["2", 0], "text": PROMPT, "memory": ["71", 0], "strength": 1.0}}
+    graph["73"] = {"class_type": "FP8Engram.ConditioningSimilarity", "inputs": {"a": ["72", 0], "b": ["40", 0], "first_row": 0, "rows": 0}}
+    graph["3"]["inputs"]["strength"] = ["73", 0]
+    return graph
+
+
+def kill_before_lookup(comfy, graph: dict, pid: int) -> WorkflowError:
+    """Run `graph` with its Engram Text Encode ("3") after a slow training; SIGKILL worker `pid` at the
+    training's first step and wait until it has ended. Returns the prompt's error, which it must have."""
+    watch = PromptWatch(comfy)
+
+    def kill_and_wait(message) -> None:
+        kill(pid)
+        wait_until(lambda: ended(pid), what=f"the killed worker {pid} ending")
+
+    killed = watch.on(progress_of("71", 1), kill_and_wait)
+    history, exc = watch.run(after_slow_training(graph))
+    assert killed.ran, "the worker must be killed while the slow training runs"
+    steps = watch.progress("71")
+    lookup = watch.first(executing("3"))
+    after = [m for m in steps if m.at > killed.finished]
+    print(f"worker {pid} killed at training step {killed.trigger_message.data['value']} and ended "
+          f"{killed.finished - killed.started:.2f} s later; {len(after)} of {len(steps)} step messages came after its end; "
+          f"the training ran {steps[-1].at - steps[0].at:.1f} s ({len(steps) / max(steps[-1].at - steps[0].at, 1e-3):.0f} steps/s)")
+    assert steps[-1].data["value"] == SLOW_STEPS, "the slow branch must train to its end"
+    assert lookup is not None, f"Engram Text Encode never started: {exc}"
+    assert lookup.at > killed.finished, "Engram Text Encode started before the killed worker had ended"
+    assert exc is not None, "Engram Text Encode must meet the dead worker (its lookup ran after the worker ended)"
+    return exc
 
 
 @pytest.fixture(scope="module")
@@ -275,15 +272,14 @@ def test_killed_worker_during_memorize_names_memory_and_rank_then_next_prompt_wo
     assert similarity(history)["identical"] is False  # memorized again into the new memory
 
 
-def test_killed_worker_during_fetch_then_next_prompt_works(comfy, comfy_server):
+def test_killed_worker_during_fetch_then_next_prompt_works(comfy, comfy_server, pairs_file):
     graph = memory_graph(new_memory(1019), memorize=False)
     pids = comfy.run(graph)["outputs"]["30"]["worker_pids"]
     graph["3"]["inputs"]["text"] = PROMPT + " at noon"  # Engram Text Encode runs again, New stays cached
     graph["40"]["inputs"]["text"] = PROMPT + " at noon"
-    exc = kill_as_lookup_starts(comfy, graph, lambda: kill(pids[0]))
-    if exc is not None:
-        error = assert_worker_error(exc, "New Engram Memory (node 30)")
-        assert error["node_id"] == "3"
+    exc = kill_before_lookup(comfy, graph, pids[0])
+    error = assert_worker_error(exc, "New Engram Memory (node 30)")
+    assert error["node_id"] == "3"
     wait_until(lambda: pids[0] not in engram_workers(comfy_server), what="the killed worker ending")
     graph["3"]["inputs"]["text"] = graph["40"]["inputs"]["text"] = PROMPT + " at dusk"  # runs the lookup again
     history = comfy.run(graph)
@@ -301,7 +297,7 @@ def test_killed_worker_during_training_then_next_prompt_works(comfy, comfy_serve
         kill(victim["pids"][0])
         victim["at"] = time.monotonic()
 
-    _, exc, fired = run_with(comfy, graph, progressing("32", 5), kill_worker)
+    _, exc, fired = run_with(comfy, graph, progress_of("32", 5), kill_worker)
     assert fired and exc is not None
     error = assert_worker_error(exc, "New Engram Memory (node 30)")
     assert error["node_id"] == "32"
@@ -315,19 +311,17 @@ def test_killed_worker_during_training_then_next_prompt_works(comfy, comfy_serve
     assert "lost" in node_text(history, "30")
 
 
-def test_killed_worker_of_a_loaded_memory_rebuilds_it_from_the_file(comfy, comfy_server, saved_memory):
+def test_killed_worker_of_a_loaded_memory_rebuilds_it_from_the_file(comfy, comfy_server, saved_memory, pairs_file):
     name, expected = saved_memory
     graph = memory_graph(load_memory(name), memorize=False)
     first = comfy.run(graph)
     assert similarity(first) == expected
     pids = first["outputs"]["30"]["worker_pids"]
-    graph["3"]["inputs"]["strength"] = 0.9
-    exc = kill_as_lookup_starts(comfy, graph, lambda: kill(pids[0]))
-    if exc is not None:
-        error = assert_worker_error(exc, name)
-        assert f"rebuilds it from {name}" in error["exception_message"]
+    exc = kill_before_lookup(comfy, graph, pids[0])  # Engram Text Encode runs again (its strength is linked), Load stays cached
+    error = assert_worker_error(exc, name)
+    assert error["node_id"] == "3"
+    assert f"rebuilds it from {name}" in error["exception_message"]
     wait_until(lambda: pids[0] not in engram_workers(comfy_server), what="the killed worker ending")
-    graph["3"]["inputs"]["strength"] = 1.0
     history = comfy.run(graph)
     assert similarity(history) == expected  # the file's contents, as before the kill
     assert f"Rebuilt from {name}" in node_text(history, "30")
@@ -355,7 +349,7 @@ def test_interrupted_training_leaves_the_memory_as_it_was(comfy, comfy_server, s
     graph = memory_graph(load_memory(name, ranks=1), memorize=False)
     graph["32"] = train_node(["30", 0], steps=20000)
     graph["3"]["inputs"]["memory"] = ["32", 0]
-    _, exc, fired = run_with(comfy, graph, progressing("32", 5), lambda: interrupt(comfy))
+    _, exc, fired = run_with(comfy, graph, progress_of("32", 5), lambda: interrupt(comfy))
     assert fired and interrupted_node(exc) == "32"
     plain = memory_graph(load_memory(name, ranks=1), memorize=False)
     history = comfy.run(plain)  # Load Engram Memory is served from the cache: it must be untouched
@@ -367,10 +361,6 @@ def test_interrupted_training_leaves_the_memory_as_it_was(comfy, comfy_server, s
 # cancel after each, so a file with many of them keeps it loading, with checkpoints all along, for
 # about a second or more on this machine (the model itself loads in a few milliseconds).
 PADDING_TENSORS = 30000
-
-
-def started(kind: str, data: dict) -> bool:
-    return kind == "execution_start"
 
 
 def test_interrupted_fp8_load_leaves_nothing_a_later_prompt_picks_up(comfy, models_dir, output_dir):
@@ -411,7 +401,7 @@ def test_interrupted_fp8_load_leaves_nothing_a_later_prompt_picks_up(comfy, mode
         copy = folder / f"faults_fp8_{next(_serial)}.safetensors"
         shutil.copyfile(source, copy)
         graph = graph_for(copy.name, f"faults_int{attempt}")
-        _, exc, fired = run_with(comfy, graph, started, lambda: interrupt(comfy))
+        _, exc, fired = run_with(comfy, graph, execution_start, lambda: interrupt(comfy))
         assert fired
         landed.append(interrupted_node(exc))
         began = time.monotonic()

@@ -17,10 +17,10 @@ import pytest
 from comfyhost import WorkflowError
 from helpers.graphs import TINY_CLIP_L
 
-from integration.test_engram_faults import (
-    clip_node, engram_workers, interrupt, interrupted_node, kill_as_lookup_starts, load_memory, memory_graph,
-    new_memory, node_text,
-    run_with, executing, similarity, wait_until,
+from helpers.ws_watch import executing
+from integration.test_engram_faults import (  # noqa: F401 - pairs_file is a fixture the kill below needs
+    assert_worker_error, clip_node, engram_workers, interrupt, interrupted_node, kill_before_lookup, load_memory,
+    memory_graph, new_memory, node_text, pairs_file, run_with, similarity, wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -247,14 +247,13 @@ def test_frozen_worker_on_reload_is_named_frozen_and_replaced_in_seconds(comfy, 
     assert similarity(history)["identical"] is False  # the rebuilt memory works
 
 
-def test_no_log_line_tells_the_user_to_close_a_group(comfy, comfy_server):
+def test_no_log_line_tells_the_user_to_close_a_group(comfy, comfy_server, pairs_file):
     graph = memory_graph(new_memory(1087, ranks=2), memorize=False)
     pid = comfy.run(graph)["outputs"]["30"]["worker_pids"][0]
     offset = log_size(comfy_server)
-    graph["3"]["inputs"]["text"] += " at dusk"  # Engram Text Encode runs again, the memory stays cached
-    graph["40"]["inputs"]["text"] += " at dusk"
-    kill_as_lookup_starts(comfy, graph, lambda: os.kill(pid, signal.SIGKILL))
-    graph["3"]["inputs"]["text"] += " again"  # the next lookup meets the dead worker if this one did not
+    exc = kill_before_lookup(comfy, graph, pid)  # Engram Text Encode runs again and meets the dead worker
+    assert assert_worker_error(exc, "New Engram Memory (node 30)")["node_id"] == "3"
+    graph["3"]["inputs"]["text"] += " again"  # the next prompt rebuilds the memory (and logs that)
     graph["40"]["inputs"]["text"] += " again"
     comfy.run(graph)
     log = log_since(comfy_server, offset)
