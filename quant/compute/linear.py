@@ -439,6 +439,9 @@ def _decide(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt, key: str, 
     return choice.decide(x.device, key, kind, cands, s, forced=forced, fallback="weight-only")
 
 
+_WEIGHT_ONLY = ComputeConfig(path="weight_only")
+
+
 def int8_conversion_wins(w: QuantizedTensor, device, m: int = 1024) -> bool:
     """Should a loader convert this FP8 weight to int8 for ``device`` ("auto")? Yes where the int8 path,
     proven right there, runs this weight's shape class (``m`` tokens, the class most diffusion and text
@@ -450,7 +453,7 @@ def int8_conversion_wins(w: QuantizedTensor, device, m: int = 1024) -> bool:
     device = torch.device(device)
     if not int8.int8_available(device) or (device.type == "cuda" and sm.fp8_supported(device)):
         return False  # no int8 kernel, or FP8 units: the fp8 path is the fast one there
-    out_f, in_f = w.qdata.shape
+    out_f, in_f = w.shape  # logical: a packed (NVFP4) weight's data is narrower
     cdt = w.orig_dtype if w.orig_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     key = choice.key_for("int8 at load", "auto", w.layout.key, m, out_f, in_f, cdt, w.qdata.dtype, cdt, False)
     v = choice.known(device, key)
@@ -461,7 +464,7 @@ def int8_conversion_wins(w: QuantizedTensor, device, m: int = 1024) -> bool:
         xp = cand.proof_activation(choice.shape_class(m, out_f, in_f)[1], in_f, cdt, device)
         s = cand.Sample(xp.shape[0], out_f, device)
         cands = {"int8": cand.int8(lambda: int8.int8_linear(xp, w8, None, cdt), xp, w8, None, cdt, s),
-                 "weight-only": cand.plain(lambda: _weight_only(xp, wd, None, cdt), xp, cand.weight_reference(wd),
-                                           None, s)}
+                 "weight-only": cand.plain(lambda: linear(xp, wd, None, _WEIGHT_ONLY), xp,
+                                           cand.weight_reference(wd), None, s)}
         v = choice.decide(device, key, "int8 at load", cands, s, fallback="weight-only")
     return v.chosen == "int8"

@@ -294,3 +294,19 @@ def test_selftest_tells_a_wrong_kernel_and_a_right_one(monkeypatch, capsys):
     int8_rows = [line for line in text.splitlines() if line.startswith("int8 ")]
     assert int8_rows and all("wrong on this device" in line for line in int8_rows), text
     assert all(" weight-only " in line for line in int8_rows), text
+
+
+@pytest.mark.parametrize("layout", ["nvfp4", "mxfp8", "block", "per_tensor"])
+def test_the_load_time_measurement_takes_every_layout_at_its_logical_shape(layout):
+    """A packed NVFP4 weight's data is half as wide as the layer (the CI run that found it: a shape error
+    at load); every layout a loader may meet is measured at the layer's own shape and converts right."""
+    from fp8_engram.quant import MXFP8, NVFP4, Block, PerTensor
+
+    shape = (160, 256)
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 0.05
+    make = {"nvfp4": lambda: NVFP4.for_shape(shape), "mxfp8": MXFP8, "block": lambda: Block(128, 128),
+            "per_tensor": PerTensor}[layout]
+    qt = QuantizedTensor.from_float(w, make())
+    assert lin.int8_conversion_wins(qt, "cpu") in (True, False)
+    v = _verdict("int8 at load")
+    assert "n<=256|k<=256" in v.key and all(p["ok"] for p in v.proofs.values()), v.as_dict()
