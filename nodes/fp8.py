@@ -118,9 +118,10 @@ def _path_label(cfg: ComputeConfig, ops=None) -> str:
     how = "by capability" if cfg.trust_fast_paths else "where proven and measured faster"
     if fp8_supported(device):
         return f"auto: fp8 matmul ({cfg.activation_scaling}) {how}, else weight-only"
-    converted = len(getattr(ops, "int8_layers", None) or ())
-    if converted:
-        return f"auto: {int8_label} on {device} {how} ({converted} layers converted)"
+    from ..quant.compute.int8 import int8_supported
+
+    if int8_supported(device):  # converted at load; per token class int8 or weight-only, as measured
+        return f"auto: {int8_label} on {device} {how}, else weight-only"
     return f"auto: weight-only on {device}"
 
 

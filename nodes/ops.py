@@ -27,7 +27,6 @@ import torch
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
 from ..quant.compute import int8 as quant_int8
-from ..quant.compute.linear import int8_conversion_wins
 from ..quant.layouts import mxfp8, nvfp4
 from ..quant.runtime import release_workspace
 
@@ -59,11 +58,13 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
     cfg = config or ComputeConfig()
     sr = bool(stochastic_rounding)
     # the int8 path converts FP8 weights once, here, for the device the model will run on
-    device = comfy.model_management.get_torch_device()
-    # "auto": each shape class is converted where the int8 path, proven on this device, measures faster
-    # than weight-only (quant.compute.linear.int8_conversion_wins); by capability where it trusts fast paths
-    to_int8 = cfg.path == "int8" or (cfg.path == "auto" and (
-        quant_int8.int8_supported(device) if cfg.trust_fast_paths else quant_int8.int8_available(device)))
+    # "auto" converts where the device has fast INT8 and no FP8 units (int8_supported). Each converted layer
+    # then runs int8 or weight-only per token class, whichever was proven and measured faster there
+    # (compute/choice.py). Deciding the conversion itself by one load-time measurement
+    # (quant.compute.linear.int8_conversion_wins) picks wrong: on a VNNI CPU int8 wins below ~16-256 tokens
+    # and loses at 1024, and a load cannot know the token count the model will run at.
+    to_int8 = cfg.path == "int8" or (cfg.path == "auto" and
+                                     quant_int8.int8_supported(comfy.model_management.get_torch_device()))
 
     class FP8Ops(base):
         fp8_config = cfg
@@ -100,8 +101,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                         if w.config is None:
                             w = w.with_config(FP8Ops.fp8_config)
                         if (FP8Ops.int8_convert and w.config.path != "weight_only" and w.qdata.dim() == 2
-                                and not quant_int8.is_int8(w) and not w.transposed
-                                and (w.config.path == "int8" or int8_conversion_wins(w, device))):
+                                and not quant_int8.is_int8(w)):
                             w8 = quant_int8.to_int8(w, None if w.config.int8_rotation else 0)
                             FP8Ops.int8_layers.append((prefix.rstrip("."), quant_int8.conversion_sqnr_db(w, w8)))
                             w = w8

@@ -73,14 +73,12 @@ def test_every_format_loads_samples_and_is_close_to_full_precision(comfy, output
     assert summary["format"] == fp8_files.DETECTED_AS[fmt]
     assert summary["layers_quantized"] == summary["layers_total"] == 24
     assert summary["bytes_on_disk"] < summary["bytes_bf16"]
-    # "auto" on the CPU: int8 where the int8 path, proven at load, measured faster than weight-only on
-    # this CPU (the weights converted at load), else weight-only; the summary says what was measured
-    from fp8_engram.quant.compute.int8 import int8_available
+    # "auto" on the CPU: int8 where it has VNNI/AMX (the weights converted at load), else weight-only;
+    # the converted layers then run int8 or weight-only per token class, as proven and measured
+    from fp8_engram.quant.compute.int8 import int8_supported
 
-    converted = summary.get("int8", {}).get("layers", 0)
-    assert ("int8" if converted else "weight-only") in summary["compute_path"], summary["compute_path"]
-    if int8_available("cpu"):
-        assert any(line.startswith("int8 at load: ") for line in summary["fast_paths"]), summary["fast_paths"]
+    assert ("int8" if int8_supported("cpu") else "weight-only") in summary["compute_path"], summary["compute_path"]
+    assert isinstance(summary["fast_paths"], list)
 
 
 @pytest.mark.parametrize("fmt", fp8_files.STOCK_READABLE)
