@@ -27,8 +27,6 @@ from .config import ComputeConfig
 from .layouts import Block, PerRow, PerTensor
 from .tensor import QuantizedTensor
 
-logger = logging.getLogger(__name__)
-
 # (out features, in features) of the linears that repeat in each model's blocks
 SHAPES = {
     "flux": ((9216, 3072), (3072, 3072), (12288, 3072), (3072, 12288)),
