@@ -140,6 +140,12 @@ def barrier(group: dist.ProcessGroup, device: torch.device, data_device: torch.d
 # ----- CPU: POSIX shared memory mapped into one range -----
 
 
+class ShardSharingError(RuntimeError):
+    """The ranks' shards are not shared as they must be: a peer's shard could not be exported or opened
+    (CUDA IPC), or a rank reads other bytes through its mapping of a peer's shard than the peer wrote
+    (LocalEngramBuffer's check at start). The message names the ranks; the memory cannot serve rows."""
+
+
 class SharedMemoryFullError(MemoryError):
     """The shared-memory filesystem (/dev/shm) has no room for a segment the engram tables need; the
     message gives the bytes asked and the bytes free there."""
@@ -369,7 +375,10 @@ def _ipc_shards(group: dist.ProcessGroup, num_bytes: int, device: torch.device,
         if num_ranks == 1:
             box.append(ShardMemory(local=local, peers=[local], unified=local, stride=num_bytes, _release=release))
             return box[0]
-        handle = cuda_ipc.export_handle(own.address, device)
+        try:
+            handle = cuda_ipc.export_handle(own.address, device)
+        except cuda_ipc.CudaIpcError as e:
+            raise ShardSharingError(f"rank {rank} could not export its CUDA shard for CUDA IPC: {e}") from e
         gathered = all_gather_object(group, handle, coll)
         peers: list[torch.Tensor] = []
         for peer, peer_handle in enumerate(gathered):
@@ -379,7 +388,7 @@ def _ipc_shards(group: dist.ProcessGroup, num_bytes: int, device: torch.device,
             try:
                 opened[peer] = cuda_ipc.Mapping.open(peer_handle, num_bytes, device, view_device)
             except Exception as e:
-                raise RuntimeError(f"rank {rank} could not open the CUDA shard of rank {peer} through CUDA IPC: {e}") from e
+                raise ShardSharingError(f"rank {rank} could not open the CUDA shard of rank {peer} through CUDA IPC: {e}") from e
             peers.append(opened[peer].view())
     except BaseException:
         local = peers = None  # type: ignore[assignment]

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .allocators import PAGE_SIZE, ShardAllocator, ShardMemory, all_gather_int64, barrier, collective_device, default_allocator
+from .allocators import PAGE_SIZE, ShardAllocator, ShardMemory, ShardSharingError, all_gather_int64, barrier, collective_device, default_allocator
 from .store import check_buffer_indices, check_buffer_storages
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ NUM_ALIGNED_SF_PACKS = 4
 NUM_MAX_LAYERS = 128
 ROW_ALIGNMENT_BYTES = 64
 _WRITE_CHUNK_BYTES = 1 << 30
+# Bytes each rank writes at the start and at the end of its shard for the check that its peers read them back.
+PROBE_BYTES = 64
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 
 _allocator_override: ShardAllocator | None = None
@@ -212,6 +215,14 @@ class LocalEngramBuffer:
             except BaseException:
                 self.destroy()
                 raise
+        try:
+            problem = self._peer_read_problem()
+        except BaseException:
+            self.destroy()
+            raise
+        if problem is not None:  # raised with no view of a shard alive (a traceback's frames would keep one mapped)
+            self.destroy()
+            raise ShardSharingError(problem)
         barrier(group, self._coll_device, self.device)
 
     # ----- setup -----
@@ -226,6 +237,48 @@ class LocalEngramBuffer:
                 f"engram buffer configuration differs across ranks (rank {self.rank_idx} has {mine[:7 + self.num_layers]}, "
                 f"ranks {differing} differ: {[gathered[r][:7 + max(gathered[r][6], 0)] for r in differing]})"
             )
+
+    def _probe_pattern(self, nonce: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(nonce)
+        return torch.randint(0, 256, (2, PROBE_BYTES), dtype=torch.uint8, generator=generator)
+
+    def _peer_read_problem(self) -> str | None:
+        """Collective, once at start: every rank writes a pattern of its own (from a nonce it shares) into
+        the first and the last PROBE_BYTES of its shard; every rank reads every peer's two spots through
+        the mapping fetch reads them with (the one range on CPU shared memory, else its view of that
+        peer: a CUDA IPC mapping); the ranks gather how many bytes each read wrong, put the saved bytes
+        back, and all return the same text naming the pairs when any byte was wrong (None when none was).
+        A mapping of the wrong memory, of memory the peer's writes never reach, or at an offset, fails
+        here instead of serving wrong rows."""
+        if self.num_ranks == 1:
+            return None
+        memory = self._memory
+        spots = (0, self.num_bytes - PROBE_BYTES)
+        nonces = [row[0] for row in all_gather_int64(self.group, [secrets.randbits(62)], self._coll_device)]
+        local = memory.local
+        saved = torch.stack([local[s : s + PROBE_BYTES] for s in spots]).clone()
+        mine = self._probe_pattern(nonces[self.rank_idx]).to(local.device)
+        for i, s in enumerate(spots):
+            local[s : s + PROBE_BYTES].copy_(mine[i])
+        barrier(self.group, self._coll_device, self.device)
+        wrong = []
+        for peer in range(self.num_ranks):
+            if memory.unified is not None:
+                base = peer * memory.stride
+                seen = [memory.unified[base + s : base + s + PROBE_BYTES] for s in spots]
+            else:
+                seen = [memory.peers[peer][s : s + PROBE_BYTES] for s in spots]
+            wrong.append(int((torch.stack(seen).cpu() != self._probe_pattern(nonces[peer])).sum()))
+        barrier(self.group, self._coll_device, self.device)  # every rank has read before any puts its bytes back
+        for i, s in enumerate(spots):
+            local[s : s + PROBE_BYTES].copy_(saved[i])
+        reports = all_gather_int64(self.group, wrong, self._coll_device)
+        bad = [f"rank {reader} read {n} of {2 * PROBE_BYTES} bytes of rank {owner}'s shard wrong"
+               for reader, row in enumerate(reports) for owner, n in enumerate(row) if n]
+        if not bad:
+            return None
+        return (f"the engram shards are not shared correctly between the {self.num_ranks} ranks: {'; '.join(bad)} "
+                f"(each rank wrote a pattern into its own shard and read its peers' back through its mappings of them)")
 
     def _build_views(self) -> None:
         layout, memory = self.layout, self._memory

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from . import ue8m0
-from .allocators import SharedMemoryFullError, check_shm_room
+from .allocators import ShardSharingError, SharedMemoryFullError, check_shm_room
 from .buffer import LocalEngramBuffer
 from .sysinfo import gib_text, kib_fields
 from .store import check_fetch_indices, check_layer, check_rows, check_table_geometry, check_values, decode_checked, encode_rows, last_occurrence
@@ -376,6 +376,20 @@ class _Worker:
         self.conn = conn
 
 
+def _last_words(worker: _Worker) -> BaseException | None:
+    """The error a worker that has exited sent before it went (a failed start says why), if any."""
+    try:
+        if worker.conn.poll(0):
+            status, value = worker.conn.recv()
+            if status == "sharing_error":
+                return ShardSharingError(value)
+            if status == "error" and isinstance(value, BaseException):
+                return value
+    except (EOFError, OSError, ValueError, TypeError):
+        pass
+    return None
+
+
 def _release_group(workers: list[_Worker], holder: list, templates: list | None = None) -> None:
     """Release in the order CUDA IPC wants: the workers are told to stop (each unmaps its peers, joins
     the group's release exchange, frees its own shard, exits), the host unmaps its peers and joins the
@@ -557,6 +571,8 @@ class EngramGroup:
         self.buffer = self._run_watched(build, "start the engram group")
         for worker in self._workers:
             status, value = self._receive(worker, time.monotonic() + self.timeout, "start")
+            if status == "sharing_error":
+                raise ShardSharingError(value)
             if status != "ready":
                 raise EngramWorkerError(f"engram worker rank {worker.rank} failed to start: {value}", worker.rank)
         logger.info("engram group up: %d %s rank(s), %s", self.num_ranks, device, self.rows_per_layer)
@@ -623,7 +639,7 @@ class EngramGroup:
             thread.join(_POLL_S)
         status, value = box[0]
         if status == "error":
-            if not isinstance(value, SharedMemoryFullError):  # every rank failed alike: the figures, not "a worker died"
+            if not isinstance(value, (SharedMemoryFullError, ShardSharingError)):  # every rank failed alike: the figures, not "a worker died"
                 self._check_workers(what)
             raise value
         return value
@@ -637,12 +653,14 @@ class EngramGroup:
             code = worker.process.poll()
             if code is not None:
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                said = _last_words(worker)
                 self._failure = EngramWorkerError(
-                    f"engram worker rank {worker.rank} (pid {worker.process.pid}) died ({how}); cannot {what}",
+                    f"engram worker rank {worker.rank} (pid {worker.process.pid}) died ({how}); cannot {what}"
+                    + (f" ({said})" if said is not None else ""),
                     worker.rank,
                     code,
                 )
-                raise self._failure
+                raise self._failure from said
 
     def _check_not_frozen(self, worker: _Worker, stopped: dict[int, float], what: str) -> None:
         """Raise when `worker`, which is being waited for, has been stopped (SIGSTOP, a debugger) for

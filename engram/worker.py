@@ -156,6 +156,7 @@ def run_worker(rank: int, conn: Connection, config: dict) -> int:
     import torch
 
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
+    from .allocators import ShardSharingError
     from .buffer import LocalEngramBuffer
 
     try:
@@ -176,7 +177,10 @@ def run_worker(rank: int, conn: Connection, config: dict) -> int:
     except Exception as e:  # noqa: BLE001 - the host shows it
         logger.exception("engram worker %d failed to start", rank)
         try:
-            conn.send(("error", RuntimeError(f"engram worker {rank} failed to start: {type(e).__name__}: {e}")))
+            text = f"engram worker {rank} failed to start: {type(e).__name__}: {e}"
+            # Plain types only: this module runs under a package name the host does not have. A shard
+            # that could not be shared gets its own status (the host raises ShardSharingError for it).
+            conn.send(("sharing_error", text) if isinstance(e, ShardSharingError) else ("error", RuntimeError(text)))
         except OSError:
             pass
         return 2

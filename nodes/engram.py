@@ -21,7 +21,9 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
-from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES
+from ..engram.allocators import ShardSharingError
+from ..engram.cuda_ipc import CudaIpcError
+from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES, EngramWorkerError
 from ..engram.host_tier import PLACEMENTS, HostRowStore, choose_placement, table_bytes
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
 from ..engram.store import LocalRowStore
@@ -183,34 +185,72 @@ def _placement_text(memory: EngramMemory) -> str:
     if isinstance(store, HostRowStore):
         where = (f"the table file mapped read-only ({os.path.basename(store.source)}), shared by every process that loads it"
                  if store.source else "a shared-memory segment")
-        return f"placement: host ({size:.2f} GiB in {where}; fetched rows are paged in)"
+        text = f"placement: host ({size:.2f} GiB in {where}; fetched rows are paged in)"
+        fell_back = getattr(store, "fell_back_from", None)
+        return f"{text}\n  instead of {fell_back}" if fell_back else text
     ranks = getattr(store, "num_ranks", 1)
     device = getattr(store, "device", "cpu")
     return f"placement: device ({size:.2f} GiB over {ranks} {str(device).split(':')[0].upper()} rank(s))"
 
 
-def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int, gpu_ranks: int = 0, placement: str = "device"):
-    if placement == "host":
-        from ..engram.group import check_cpu_memory
+def _new_host_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype) -> HostRowStore:
+    from ..engram.group import check_cpu_memory
 
-        # a new host-tier memory is a shared-memory segment: RAM, refused like CPU ranks when it cannot fit
-        # (its pages would be allocated by the first writes, and a full segment kills the process)
-        check_cpu_memory(1, table_bytes(rows_per_layer_fn(1), hidden, dtype), subject="a host-memory table (shared-memory segment)")
-        return HostRowStore.new(rows_per_layer_fn(1), hidden, dtype)
+    # a new host-tier memory is a shared-memory segment: RAM, refused like CPU ranks when it cannot fit
+    # (its pages would be allocated by the first writes, and a full segment kills the process)
+    check_cpu_memory(1, table_bytes(rows_per_layer_fn(1), hidden, dtype), subject="a host-memory table (shared-memory segment)")
+    return HostRowStore.new(rows_per_layer_fn(1), hidden, dtype)
+
+
+def sharing_failed(error: BaseException, cuda: bool) -> bool:
+    """Whether a device group failed to start because its ranks could not share their shards: a failed
+    readback check or IPC exchange (ShardSharingError) anywhere in the error's chain; for CUDA ranks
+    also the driver library (CudaIpcError) or a worker process that could not start on its GPU."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ShardSharingError) or (cuda and isinstance(error, (CudaIpcError, EngramWorkerError))):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _group_or_host(start, ranks: int, kind: str, host):
+    """`start()`'s device group; when its ranks could not share their shards, the host tier (`host()`)
+    instead, marked with why (the summary says it), so the prompt goes on."""
+    try:
+        return start()
+    except Exception as e:
+        if not sharing_failed(e, kind == "CUDA"):
+            raise
+        reason = f"{ranks} {kind} rank(s): {e}"
+        logger.warning("engram: the memory could not be sharded over %s; it is on the host tier instead", reason)
+        store = host()
+        store.fell_back_from = reason
+        return store
+
+
+def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int, gpu_ranks: int = 0,
+                placement: str = "device", host=None):
+    """The memory's RowStore. `host`: what serves it when a group's ranks cannot share their shards (a
+    new shared-memory segment by default; Load passes the table file mapped)."""
+    host = host or (lambda: _new_host_store(rows_per_layer_fn, hidden, dtype))
+    if placement == "host":
+        return _new_host_store(rows_per_layer_fn, hidden, dtype)
     if devices == "auto" and torch.cuda.is_available():
         from ..engram.group import EngramGroup
 
         ranks = len(cuda_rank_devices(gpu_ranks, torch.cuda.device_count()))
-        return EngramGroup(rows_per_layer_fn(ranks), hidden, dtype, num_ranks=ranks, device="cuda")
+        return _group_or_host(lambda: EngramGroup(rows_per_layer_fn(ranks), hidden, dtype, num_ranks=ranks, device="cuda"),
+                              ranks, "CUDA", host)
     from ..engram.group import EngramGroup, check_cpu_memory
 
     # Refused, with the figures, before anything is allocated or started (EngramGroup checks too).
     check_cpu_memory(cpu_ranks, EngramGroup.table_bytes(rows_per_layer_fn(cpu_ranks), hidden, dtype))
     if cpu_ranks == 1:
         return LocalRowStore(rows_per_layer_fn(1), hidden, dtype)
-    from ..engram.group import EngramGroup
-
-    return EngramGroup(rows_per_layer_fn(cpu_ranks), hidden, dtype, num_ranks=cpu_ranks, device="cpu")
+    return _group_or_host(lambda: EngramGroup(rows_per_layer_fn(cpu_ranks), hidden, dtype, num_ranks=cpu_ranks, device="cpu"),
+                          cpu_ranks, "CPU", host)
 
 
 _GPU_RANKS_TOOLTIP = ("CUDA processes holding the shards when devices = auto finds a GPU. 0: one per GPU. N: N processes "
@@ -406,11 +446,12 @@ class LoadEngramMemory(io.ComfyNode):
             if placement == "host":  # mapped, not read: the store is ready at once
                 store = HostRowStore.from_table_file(path)
             else:
-                store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks)
+                store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks,
+                                    host=lambda: HostRowStore.from_table_file(path))
             try:
                 # A cancel before or during the load: drop the tables (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
-                if placement != "host":  # a file saved at another rank count loads too (its padding rows differ)
+                if not isinstance(store, HostRowStore):  # a file saved at another rank count loads too (its padding rows differ)
                     store.load_table_file(path, rows_needed=needed)
                 comfy.model_management.throw_exception_if_processing_interrupted()
                 return wrap(store)

@@ -147,3 +147,68 @@ def test_memory_file_overwritten_with_nan_rows_is_an_error_naming_the_file(comfy
     message = _error_text(comfy, load_and_encode(f"{PHRASE} in the rain"))
     assert str(path) in message and "NaN" in message, message
     path.unlink()
+
+
+def test_a_group_whose_ranks_cannot_read_each_other_falls_back_to_the_host_tier(tmp_path):
+    """In process (the fault is made in this process, which a server would not let a test reach): the
+    nodes' store factory, asked for 2 CPU ranks whose start check fails (rank 0's view of rank 1's shard
+    is a stale copy), serves the memory from the host tier instead, says why in the summary line, and the
+    memory works; Load's fallback maps the table file. An error that is not about sharing still fails."""
+    import types
+
+    import torch
+    from helpers.host import comfy_in_process
+
+    comfy_in_process()
+    from fp8_engram.engram import buffer as buffer_module
+    from fp8_engram.engram.allocators import shared_memory_allocator
+    from fp8_engram.engram.host_tier import HostRowStore
+    from fp8_engram.nodes.engram import _make_store, _placement_text
+
+    def stale(group, num_bytes, device):
+        memory = shared_memory_allocator(group, num_bytes, device)
+        memory.unified = None
+        memory.peers[1] = memory.peers[1].clone()
+        return memory
+
+    rows = lambda ranks: [-(-n // ranks) * ranks for n in (300, 120)]  # noqa: E731 - as MemoryConfig pads them
+    buffer_module.set_shard_allocator(stale)
+    try:
+        store = _make_store(rows, 64, torch.bfloat16, "cpu", 2)
+    finally:
+        buffer_module.set_shard_allocator(None)
+    try:
+        assert isinstance(store, HostRowStore), store
+        assert store.rows_per_layer == rows(1)
+        text = _placement_text(types.SimpleNamespace(store=store))
+        assert text.startswith("placement: host"), text
+        assert "instead of 2 CPU rank(s): the engram shards are not shared correctly" in text, text
+        assert "rank 0 read" in text and "rank 1's shard wrong" in text, text
+        values = torch.randn(3, 64)
+        store.write_rows(1, torch.tensor([0, 5, 119]), values)
+        assert torch.equal(store.read_rows(1, torch.tensor([0, 5, 119])), values.bfloat16().float())
+        path = str(tmp_path / "memory.safetensors")
+        store.save_table_file(path)
+    finally:
+        store.close()
+
+    buffer_module.set_shard_allocator(stale)
+    try:
+        loaded = _make_store(rows, 64, torch.bfloat16, "cpu", 2, host=lambda: HostRowStore.from_table_file(path))
+    finally:
+        buffer_module.set_shard_allocator(None)
+    try:
+        assert isinstance(loaded, HostRowStore) and loaded.source == path, loaded
+        assert torch.equal(loaded.read_rows(1, torch.tensor([0, 5, 119])), values.bfloat16().float())
+    finally:
+        loaded.close()
+
+    def broken(group, num_bytes, device):
+        raise OSError("not a sharing problem")
+
+    buffer_module.set_shard_allocator(broken)
+    try:
+        with pytest.raises(Exception, match="not a sharing problem"):
+            _make_store(rows, 64, torch.bfloat16, "cpu", 2)
+    finally:
+        buffer_module.set_shard_allocator(None)

@@ -12,6 +12,7 @@ import ctypes
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -105,7 +106,13 @@ int cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) {
     if (!r) return 2;
     memcpy(&r->n, h.reserved + 1, sizeof r->n);
     memcpy(r->name, h.reserved + 16, sizeof r->name);
+#ifdef OPEN_OTHER_MEMORY   /* a broken driver: the handle opens fresh memory, not the owner's */
+    snprintf(r->name, sizeof r->name, "/fakecuda-other-%d-%d", (int)getpid(), counter++);
+    void *m = map(r->name, r->n + sizeof(long), 1);
+    shm_unlink(r->name);
+#else
     void *m = map(r->name, r->n + sizeof(long), 0);
+#endif
     if (!m) { memset(r, 0, sizeof *r); return 1; }
     r->p = (CUdeviceptr)m; r->own = 0;
     __sync_fetch_and_add(opens(r), 1);
@@ -123,16 +130,23 @@ int cuIpcCloseMemHandle(CUdeviceptr p) {
 """
 
 
-@pytest.fixture
-def fake_driver(tmp_path, monkeypatch):
+def build_driver(folder, *defines: str) -> str:
+    """The stand-in driver compiled into `folder` (with `-D` `defines`); returns the library's path."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("needs a C compiler (cc) to build the stand-in CUDA driver")
-    source = tmp_path / "fakecuda.c"
+    source = folder / "fakecuda.c"
     source.write_text(FAKE_DRIVER)
-    library = tmp_path / "libfakecuda.so"
-    build = subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library), str(source), "-lrt"], capture_output=True, text=True)
+    library = folder / f"libfakecuda{''.join('-' + d.lower() for d in defines)}.so"
+    flags = [f"-D{d}" for d in defines]
+    build = subprocess.run([compiler, "-shared", "-fPIC", "-O1", *flags, "-o", str(library), str(source), "-lrt"], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
+    return str(library)
+
+
+@pytest.fixture
+def fake_driver(tmp_path, monkeypatch):
+    library = build_driver(tmp_path)
     monkeypatch.setattr(cuda_ipc, "_LIBRARY", str(library))
     monkeypatch.setattr(cuda_ipc, "_driver", None)
     monkeypatch.setattr(cuda_ipc, "_contexts", {})
@@ -309,3 +323,72 @@ def test_ranks_unmap_their_peers_before_owners_free(fake_driver, tmp_path):
     assert results[1]["held_peers"] == [2] and results[2]["held_by"] == [1]
     assert results[1]["unmapped_before"] == [] and results[1]["unmapped_after"] == [2]
     assert results[0]["held_by"] == [] and results[0]["held_peers"] == []
+
+
+BUFFER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from datetime import timedelta
+    sys.path.insert(0, PKG)
+    import torch
+    import torch.distributed as dist
+    from fp8_engram.engram import allocators, cuda_ipc
+    from fp8_engram.engram.buffer import PROBE_BYTES, LocalEngramBuffer
+    from fp8_engram.engram.worker import gloo_group
+    cuda_ipc._LIBRARY = LIBRARY
+    rank, world = RANK, WORLD
+    group = gloo_group(dist.FileStore(STORE, world), rank, world, timedelta(seconds=60))
+    # the CUDA IPC allocator over the stand-in driver, its views on the CPU
+    ipc = lambda g, n, device: allocators._ipc_shards(g, n, torch.device("cuda", rank), torch.device("cpu"))
+    try:
+        buffer = LocalEngramBuffer(group, [8, 4], 64, 16, 2, torch.bfloat16, device="cpu", allocator=ipc, gather="fixed_shape")
+    except allocators.ShardSharingError as e:
+        print(json.dumps({"rank": rank, "error": str(e), "live": cuda_ipc._load().fake_live()}))
+        sys.exit(0)
+    memory = buffer._memory
+    probes = [int(p[:PROBE_BYTES].count_nonzero() + p[buffer.num_bytes - PROBE_BYTES:buffer.num_bytes].count_nonzero()) for p in memory.peers]
+    rows = torch.full((8, 64), float(rank + 1), dtype=torch.bfloat16)
+    buffer.write([rows, rows[:4]])
+    ids = torch.tensor([[[0, 8]], [[0, 4]]], dtype=torch.int32)  # row 0 of rank 0 and of rank 1, both layers
+    seen = [hook()[0, ::64].tolist() for hook in buffer.fetch(ids)]
+    buffer.destroy()
+    print(json.dumps({"rank": rank, "probes": probes, "seen": seen, "live": cuda_ipc._load().fake_live()}))
+    """
+)
+
+
+def _run_ranks(script: str, library: str, store: str, world: int) -> dict[int, dict]:
+    procs = []
+    for rank in range(world):
+        code = f"PKG, LIBRARY, STORE, RANK, WORLD = {PKG!r}, {library!r}, {store!r}, {rank}, {world}\n" + script
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        row = json.loads(out.strip().splitlines()[-1])
+        results[row["rank"]] = row
+    return results
+
+
+def test_ranks_read_back_each_others_shards_at_start(tmp_path):
+    """LocalEngramBuffer over the CUDA IPC allocator (stand-in driver): at start every rank writes a
+    pattern into its shard and reads its peers' back; with a working driver that passes, the probe bytes
+    are put back (zero), and rows written by each rank fetch from the other."""
+    results = _run_ranks(BUFFER_SCRIPT, build_driver(tmp_path), str(tmp_path / "store"), 2)
+    for rank, row in results.items():
+        assert "error" not in row, row
+        assert row["probes"] == [0, 0], f"rank {rank}: the start check left its pattern in a shard: {row}"
+        assert row["seen"] == [[1.0, 2.0], [1.0, 2.0]], row
+        assert row["live"] == 0, row
+
+
+def test_a_driver_that_maps_other_memory_is_refused_on_every_rank(tmp_path):
+    """A driver whose IPC open hands back other memory than the owner's (zeros): every rank raises
+    ShardSharingError naming both directions, and frees what it allocated."""
+    results = _run_ranks(BUFFER_SCRIPT, build_driver(tmp_path, "OPEN_OTHER_MEMORY"), str(tmp_path / "store"), 2)
+    for rank, row in results.items():
+        assert "error" in row, f"rank {rank} served a buffer whose peers it cannot read: {row}"
+        assert re.search(r"rank 0 read \d+ of 128 bytes of rank 1's shard wrong; rank 1 read \d+ of 128 bytes of rank 0's", row["error"]), row
+        assert "not shared correctly between the 2 ranks" in row["error"]
+        assert row["live"] == 0, row
