@@ -1,8 +1,10 @@
 """Benchmark: FP8 QuantizedTensor linear vs bf16 F.linear, side by side in one process.
 
 CPU (default without a GPU): a square 4096 case and Flux-like MLP shapes; bf16 F.linear vs our
-weight-only path (and vs ComfyUI 0.3.75's own QuantizedTensor linear on the same FP8 weights, when
-a ComfyUI tree is present). Statistic: best of N interleaved rounds (wall clock); printed as the
+weight-only path, vs what the loaders give a user here ("ours auto (chosen)": the weight converted to
+int8 at load where int8_supported says so, then per token class the path proven and measured fastest,
+see quant/compute/choice.py; its first call, which proves, is the warm-up), and vs ComfyUI 0.3.75's own
+QuantizedTensor linear on the same FP8 weights, when a ComfyUI tree is present. Statistic: best of N interleaved rounds (wall clock); printed as the
 time ratio (variant / bf16, lower is better) and the speedup (bf16 / variant, higher is better).
 
 CUDA (``--device cuda``): the shapes of issue 10 (Flux 4608 tokens, 1024 and 256 tokens, Wan-14B
@@ -42,6 +44,8 @@ COMFYUI = Path(os.environ.get("COMFYUI_PATH", ROOT / ".host" / "comfyui"))
 sys.path.insert(0, str(PKG))
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor  # noqa: E402
+from fp8_engram.quant.compute import choice  # noqa: E402
+from fp8_engram.quant.compute.int8 import int8_supported, to_int8  # noqa: E402
 from fp8_engram.quant.quantize_model import sqnr_db  # noqa: E402
 
 
@@ -135,6 +139,10 @@ def main() -> None:
         ours_pt = QuantizedTensor.from_float(w, PerTensor(), config=ComputeConfig(path="weight_only"))
         fns = {"bf16 F.linear": lambda: F.linear(x, w)}
         fns["ours weight-only/tensor"] = lambda: F.linear(x, ours_pt)
+        if device == "cpu":  # as the loaders make it (nodes/ops.py): int8 at load where supported, then auto
+            chosen = ours_pt.with_config(ComputeConfig())
+            chosen = to_int8(chosen) if int8_supported(device) else chosen
+            fns["ours auto (chosen)"] = lambda: F.linear(x, chosen)
         if quant_ops is not None:
             cq = quant_ops.QuantizedTensor(ours_pt.qdata, "TensorCoreFP8Layout",
                                            {"scale": ours_pt.scale, "orig_dtype": torch.bfloat16})
@@ -176,12 +184,18 @@ def main() -> None:
                 "fp8 forced (dynamic tensor)": _sqnr(ref, F.linear(xs, ours_pt.with_config(
                     ComputeConfig(path="fp8", activation_scaling="dynamic_tensor")))),
             }
+            if "ours auto (chosen)" in fns:
+                row["sqnr_db"]["auto (chosen)"] = _sqnr(ref, F.linear(xs, chosen))
         print("SQNR vs float64 (dB, first 64 rows): " + ", ".join(
             f"{k} {v}" for k, v in row["sqnr_db"].items()))
         if quant_ops is not None:
             row["ours_vs_comfyui"] = round(min(times["ours weight-only/tensor"])
                                            / min(times["comfyui 0.3.75"]), 3)
             row["comfyui_vs_bf16"] = round(min(times["comfyui 0.3.75"]) / base_best, 3)
+            if "ours auto (chosen)" in times:
+                row["auto_vs_comfyui"] = round(min(times["ours auto (chosen)"]) / min(times["comfyui 0.3.75"]), 3)
+        if "ours auto (chosen)" in times:
+            row["auto_vs_bf16"] = round(min(times["ours auto (chosen)"]) / base_best, 3)
         if fp8_units:
             row["bf16_vs_fp8xfp8_speedup"] = round(
                 base_best / min(times["ours fp8xfp8/dynamic_tensor"]), 3)
@@ -192,6 +206,7 @@ def main() -> None:
         results.append(row)
         print()
         del w, x, ours_pt, fns
+        chosen = None
 
     summary = {"bench": "quant_linear", "device": device, "threads": torch.get_num_threads(),
                "repeats": repeats, "loadavg_1min": [round(load_before, 2),
@@ -199,11 +214,16 @@ def main() -> None:
                "comfyui": quant_ops is not None, "fp8_units": fp8_units,
                "statistic": "ratio of best-of-N times (interleaved); speedup = bf16 / variant",
                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-               "cases": results}
+               "cases": results, "chosen": choice.summary_lines(torch.device(device)) if device == "cpu" else None}
     print("ratios: ours/bf16 " + ", ".join(f"{r['shape']}@{r['tokens']}={r['ours_vs_bf16']}" for r in results))
     if quant_ops is not None:
         print("ratios: ours/comfyui " + ", ".join(
             f"{r['shape']}@{r['tokens']}={r['ours_vs_comfyui']}" for r in results))
+        if device == "cpu":
+            print("ratios: auto (chosen)/comfyui " + ", ".join(
+                f"{r['shape']}@{r['tokens']}={r['auto_vs_comfyui']}" for r in results))
+    for line in summary["chosen"] or []:
+        print(f"chosen: {line}")
     print(json.dumps(summary))
 
 

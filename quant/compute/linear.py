@@ -28,6 +28,7 @@ from .. import kernels
 from ..config import DEFAULT_CONFIG, ComputeConfig
 from ..errors import QuantizationError
 from ..kernels import ops as kernel_ops
+from ..layouts.int8 import rotate
 from ..runtime import log_once, tracing, workspace
 from ..tensor import QuantizedTensor
 from . import candidates as cand, choice, failures as fails, int8, nvfp4, scaled_mm as sm
@@ -190,18 +191,19 @@ class _Fp8LinearWithGrad(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _dequantized_weight(x, w: QuantizedTensor, bias, cdt) -> torch.Tensor:
+def _dequantized_weight(x, w: QuantizedTensor, bias, cdt, stored: bool = False) -> torch.Tensor:
     """W in ``cdt`` for one weight-only product. On the CPU, when autograd will not keep the
     weight, it goes into this thread's reusable buffer instead of fresh memory: a model that
     dequantizes every layer on every step otherwise pays for its whole full-precision size in
     page faults per step (see ``layouts.workspace``). The buffer is dead once F.linear returns."""
     keeps_weight = torch.is_grad_enabled() and (
         x.requires_grad or (bias is not None and bias.requires_grad))
+    dequantize = w.layout.dequantize_stored if stored else w.layout.dequantize  # stored: Int8 as stored (rotated)
     if (w.qdata.device.type != "cpu" or keeps_weight or w.transposed
             or _traced("weight-only", x.device)):
-        return w.dequantize(cdt)
+        return w.dequantize(cdt) if not stored else dequantize(w.qdata, w.scale, cdt)
     buf = workspace("weight_only", w.qdata.numel(), cdt).view(w.qdata.shape)
-    return w.layout.dequantize(w.qdata, w.scale, cdt, out=buf)
+    return dequantize(w.qdata, w.scale, cdt, out=buf)
 
 
 def _kernel_block(w: QuantizedTensor):
@@ -238,6 +240,12 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
                 log_once(logger, ("wo_failed", key), logging.WARNING,
                          "weight-only FP8 GEMM failed on %s (%s: %s); these layers dequantize and use cuBLAS from now "
                          "on (logged once)", x.device, type(exc).__name__, _first_line(exc))
+    layout = w.layout
+    if (int8.is_int8(w) and layout.rotation and not layout.regular and not layout.cast_first and not w.transposed
+            and x.numel() // x.shape[-1] < w.qdata.shape[0] and not _traced("weight-only", x.device)):
+        # the pack's own rotated int8 (converted at load): rotate the fewer rows, the activation's
+        xr = rotate(x, layout.rotation).to(cdt)
+        return F.linear(xr, _dequantized_weight(x, w, bias, cdt, stored=True), bias)
     return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuantizationError
-from ..runtime import tracing
+from ..runtime import tracing, workspace
 from .base import LayoutBase
 
 __all__ = ["Int8", "hadamard", "check_block", "hadamard_bytes", "rotate", "unrotate", "INT8_MAX", "int8_scale"]
@@ -107,6 +107,9 @@ def _round(v: torch.Tensor, generator) -> torch.Tensor:
     return v.clamp_(-128.0, 127.0).to(torch.int8)
 
 
+_CHUNK_ELEMS = 1 << 16  # float32 elements per chunk of the CPU dequantization (256 KiB)
+
+
 @dataclass(frozen=True)
 class Int8(LayoutBase):
     """int8 data, a per-tensor or per-output-channel float32 scale, optional block rotation of K."""
@@ -158,15 +161,40 @@ class Int8(LayoutBase):
         scale = int8_scale(amax)
         return _round(wf / scale, generator), scale
 
+    def dequantize_stored(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight as stored, not rotated back (``W @ blockdiag(H).T``): ``rotate(x) @ this.T`` is
+        ``x @ W.T``, which costs less than rotating the weight back when x has fewer rows than W."""
+        return self._dequantize_chunked(q, scale, dtype, out, rotate_back=False)
+
+    def _dequantize_chunked(self, q, scale, dtype, out, rotate_back: bool):
+        """``q * scale`` in float32 (rotated back when asked), rounded once into ``dtype``; on the CPU in
+        row chunks through a reused float32 buffer that stays in cache (one pass over the weight)."""
+        s = scale.to(device=q.device, dtype=torch.float32)
+        if q.device.type != "cpu" or tracing() or dtype in (torch.float32, torch.float64) or not q.is_contiguous():
+            w = q.float() * s
+            if rotate_back:
+                w = unrotate(w, self.rotation, self.regular)
+            return out.copy_(w) if out is not None else w.to(dtype)
+        n, k = q.shape
+        out = torch.empty((n, k), dtype=dtype) if out is None else out
+        step = max(1, _CHUNK_ELEMS // max(k, 1))
+        for i in range(0, n, step):
+            j = min(n, i + step)
+            tmp = workspace("int8_dequant_f32", (j - i) * k, torch.float32).view(j - i, k)
+            torch.mul(q[i:j], s if s.numel() == 1 else s[i:j], out=tmp)
+            out[i:j].copy_(unrotate(tmp, self.rotation, self.regular) if rotate_back else tmp)
+        return out
+
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.cast_first:
+            return self._dequantize_chunked(q, scale, dtype, out, rotate_back=bool(self.rotation))
         w = q.float() * scale.to(device=q.device, dtype=torch.float32)
-        if self.rotation and self.cast_first:
+        if self.rotation:  # cast first, then rotate back in dtype
             n, k = w.shape
             h = hadamard(self.rotation, self.regular, w.device).to(dtype)
             w = torch.matmul(w.to(dtype).reshape(n, k // self.rotation, self.rotation), h.T).reshape(n, k)
-        elif self.rotation:
-            w = unrotate(w, self.rotation, self.regular)
         if out is not None:
             return out.copy_(w)
         return w.to(dtype)

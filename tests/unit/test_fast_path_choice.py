@@ -63,9 +63,9 @@ def _slow_plain(monkeypatch, seconds=0.5):
     """The weight-only path made slower per call (its CPU dequantization) than any int8 product here."""
     real = lin._dequantized_weight
 
-    def slow(*args):
+    def slow(*args, **kwargs):
         time.sleep(seconds)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(lin, "_dequantized_weight", slow)
 
@@ -111,7 +111,7 @@ def test_a_wrong_int8_kernel_is_refused_and_weight_only_runs(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="fp8_engram.quant.compute.linear"):
         y = linear(x, w8, None, AUTO)
         y2 = linear(x, w8, None, AUTO)
-    expected = torch.nn.functional.linear(x, w8.dequantize(torch.bfloat16))
+    expected = linear(x, w8, None, ComputeConfig(path="weight_only"))  # what the weight-only path gives
     assert torch.equal(y, expected) and torch.equal(y2, expected)
     v = _verdict("int8")
     assert v.chosen == "weight-only" and v.proofs["int8"]["ok"] is False
@@ -197,7 +197,7 @@ def test_trusting_fast_paths_proves_nothing(monkeypatch):
     _inject_int8(monkeypatch, "wrong")
     y = linear(_x(), w8, None, ComputeConfig(path="int8", trust_fast_paths=True))
     assert not choice.verdicts("cpu")
-    assert not torch.equal(y, torch.nn.functional.linear(_x(), w8.dequantize(torch.bfloat16)))
+    assert not torch.equal(y, linear(_x(), w8, None, ComputeConfig(path="weight_only")))
 
 
 # ----- the cache file -----
