@@ -69,7 +69,7 @@ def run(device, models, tokens) -> dict:
                     for name, w in weights.items():
                         if cfg.path != "auto" and name != "fp8 per row":
                             continue  # a forced path on one FP8 layout is enough
-                        with torch.no_grad():
+                        with torch.no_grad(), choice.every_size():
                             linear(x, w, None, cfg)
     found = choice.verdicts(device)
     return {"stack": choice.stack(device), "seconds": round(time.perf_counter() - started, 2),

@@ -6,6 +6,8 @@ in ``proof.reference_dtype`` (float64 on the CPU, float32 on a GPU) on a sample 
 the twin computes the same product the way the eager code of the pack does, in the path's output dtype.
 Nothing here runs the kernel under proof except ``run``, which the compute floor passes in.
 
+``wref`` below is ``weight_reference(w, sample.cols)``: the sampled rows of the weight only.
+
     plain      dequantize, then ``F.linear`` in the compute dtype (stock ComfyUI's path): no twin
     gemm       a fused weight-only GEMM (FP8 or NVFP4 weight converted in registers): twin = plain
     fp8        activation quantized to FP8 (per row / per tensor / per 1x128 group), scaled matmul:
@@ -44,12 +46,23 @@ def proof_activation(m: int, k: int, dtype: torch.dtype, device) -> torch.Tensor
     return proof.seeded_activation(m, k, dtype, device)
 
 
-def weight_reference(w) -> torch.Tensor:
-    """The weight as float32 ``[N, K]`` by eager torch ops only (no dequantization kernel)."""
-    block = w.layout.kernel_block(tuple(w.qdata.shape))
-    if w.layout.family == "fp8" and block is not None:
-        return dequantize_eager(w.qdata, w.scale, block[0], torch.float32, block[1])
-    return w.layout.dequantize(w.qdata, w.scale, torch.float32)
+def weight_reference(w, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of the weight (the output columns a proof compares) as float32 ``[len(rows), K]``, by
+    eager torch ops only (no dequantization kernel). Only those rows are dequantized: a proof of a
+    12288 x 3072 layer reads 256 of its rows, not all of them."""
+    shape = tuple(w.qdata.shape)
+    block = w.layout.kernel_block(shape)
+    if w.layout.family == "fp8" and block is not None and len(shape) == 2:
+        (r, c), per_tensor = block
+        q = w.qdata.index_select(0, rows)
+        if per_tensor:
+            return dequantize_eager(q, w.scale, (1, shape[1]), torch.float32, True)
+        scale = w.scale.to(torch.float32).reshape(-(-shape[0] // r), -1).index_select(0, torch.div(rows, r, rounding_mode="floor"))
+        return dequantize_eager(q, scale, (1, c), torch.float32, False)
+    if w.layout.family == "int8" and len(shape) == 2:
+        scale = w.scale if w.scale.numel() == 1 else w.scale.reshape(shape[0], -1).index_select(0, rows)
+        return w.layout.dequantize(w.qdata.index_select(0, rows), scale, torch.float32)
+    return w.layout.dequantize(w.qdata, w.scale, torch.float32).index_select(0, rows)
 
 
 def _bias_cols(bias, s: Sample, dtype):
@@ -64,14 +77,13 @@ def _ref_product(a_rows: torch.Tensor, w_cols: torch.Tensor, bias, s: Sample, rd
 
 def plain(run, x: torch.Tensor, wref: torch.Tensor, bias, s: Sample) -> Candidate:
     rdt = proof.reference_dtype(x.device)
-    return Candidate(run=run, reference=lambda: _ref_product(x.index_select(0, s.rows),
-                                                             wref.index_select(0, s.cols), bias, s, rdt))
+    return Candidate(run=run, reference=lambda: _ref_product(x.index_select(0, s.rows), wref, bias, s, rdt))
 
 
 def gemm(run, x: torch.Tensor, wref: torch.Tensor, bias, cdt: torch.dtype, s: Sample) -> Candidate:
     """A fused weight-only GEMM; its twin is the plain path on the same weight (rounded to ``cdt`` first)."""
     rdt = proof.reference_dtype(x.device)
-    xr, wc = x.index_select(0, s.rows), wref.index_select(0, s.cols)
+    xr, wc = x.index_select(0, s.rows), wref
 
     def twin():
         return F.linear(xr.to(cdt), wc.to(cdt), _bias_cols(bias, s, cdt))
@@ -98,7 +110,7 @@ def fp8(run, x: torch.Tensor, wref: torch.Tensor, bias, cdt: torch.dtype, s: Sam
     """The fp8 x fp8 path (activation quantizer + scaled matmul) on one weight."""
     rdt = proof.reference_dtype(x.device)
     a = _fp8_operand(x, scaling, mode, input_scale, act_dtype).index_select(0, s.rows)
-    wc = wref.index_select(0, s.cols)
+    wc = wref
 
     def twin():
         return _ref_product(a, wc, bias, s, torch.float32).to(cdt)

@@ -11,14 +11,20 @@ kernel sources) in memory and, once ``configure(cache_path)`` names a file, in t
 process on the same stack proves nothing again, a changed stack proves again.
 
 Cost, by construction: per shape class, one run of each candidate for the proof (the warm-up too),
-then up to ``ROUNDS`` timed rounds (fewer once ``BUDGET_S`` of timed calls is spent), plus the
+then up to ``ROUNDS`` timed rounds (fewer once ``BUDGET_S`` of timed calls is spent, or once one
+candidate took ``DECISIVE`` times another's time), plus the
 reference and the twin on at most ``ROWS`` x ``COLS`` outputs. Shape classes are coarse: tokens in
 four classes (timed at ``M_CLASSES``' representative counts), features rounded up to powers of two.
+A product too small to pay for that (``too_small``: under ``SMALL_MACS`` multiply-adds at its class's
+token count, e.g. every layer of a 128-wide model at 128 tokens) is not proven: under "auto" it takes the
+plain path, which any fast path could beat by microseconds a call only (``settle`` files that verdict,
+in memory: a rule, not a measurement).
 Pure torch; never imports ComfyUI.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -43,14 +49,16 @@ logger = logging.getLogger("fp8_engram.quant.compute.linear")
 
 __all__ = ["Candidate", "Verdict", "WIN", "ROUNDS", "BUDGET_S", "M_CLASSES", "ROWS", "COLS", "configure",
            "cache_path", "forget", "reset", "describe", "key_for", "known", "decide", "stack", "verdicts", "summary_lines",
-           "shape_class"]
+           "shape_class", "SMALL_MACS", "too_small", "settle", "every_size"]
 
 WIN = 0.97
 ROUNDS = 3
 BUDGET_S = 0.5
+DECISIVE = 2.0  # timing stops after a round in which one candidate took this many times another's time
 # (tokens up to, tokens timed at): the last class holds everything above 1024 tokens
 M_CLASSES = ((16, 16), (128, 128), (1024, 1024), (math.inf, 4096))
 ROWS, COLS = 64, 256
+SMALL_MACS = 1 << 24  # multiply-adds of a call at its class's token count below which nothing is proven
 FORMAT = 1
 
 _lock = threading.RLock()
@@ -178,6 +186,23 @@ def shape_class(m: int, n: int, k: int) -> tuple:
         if m <= bound:
             return i, rep, _pow2(n), _pow2(k)
     raise AssertionError("unreachable")
+
+
+def too_small(m: int, n: int, k: int) -> bool:
+    """Whether an ``[m, k] x [k, n]`` product is too small to be worth proving (see the module docstring);
+    never inside ``every_size()``."""
+    return not _settings.get("every_size") and shape_class(m, n, k)[1] * n * k < SMALL_MACS
+
+
+@contextlib.contextmanager
+def every_size():
+    """Prove products of every size in this block (``selftest``: the table covers every shape asked)."""
+    before = _settings.get("every_size", False)
+    _settings["every_size"] = True
+    try:
+        yield
+    finally:
+        _settings["every_size"] = before
 
 
 def _m_label(i: int) -> str:
@@ -327,11 +352,12 @@ def _prove_one(cand: Candidate, sample) -> tuple:
 
 
 def decide(device, key: str, kind: str, candidates: dict, sample: Callable, *, forced: str | None = None,
-           fallback: str = "weight-only") -> Verdict:
+           fallback: str = "weight-only", setup_s: float = 0.0) -> Verdict:
     """Prove ``candidates`` (name -> Candidate; the plain one, if any, named "plain" or ``fallback``), time
     those that pass, and file the verdict under ``key``. ``sample(out)`` picks the proof's rows and columns
     of a full output. With ``forced``, only that candidate is proven (no timing): it is chosen if it passes,
-    else ``fallback``. Raises nothing but out of memory: a candidate that raises fails its proof."""
+    else ``fallback``. Raises nothing but out of memory: a candidate that raises fails its proof.
+    ``setup_s``: what making the candidates took (counted in the verdict's cost)."""
     sid, facts = _stack_entry(device)
     started = time.perf_counter()
     proofs: dict = {}
@@ -356,14 +382,23 @@ def decide(device, key: str, kind: str, candidates: dict, sample: Callable, *, f
     else:
         if len(passed) > 1:
             with torch.no_grad():
-                seconds = proof.time_interleaved({n: c.run for n, c in passed.items()}, device, ROUNDS, BUDGET_S)
+                seconds = proof.time_interleaved({n: c.run for n, c in passed.items()}, device, ROUNDS, BUDGET_S, DECISIVE)
         chosen, why = _fastest(passed, seconds, fallback)
     v = Verdict(key=key, kind=kind, chosen=chosen, why=why, proofs={n: p.as_dict() for n, p in proofs.items()},
-                seconds={n: round(s, 7) for n, s in seconds.items()}, cost_s=time.perf_counter() - started)
+                seconds={n: round(s, 7) for n, s in seconds.items()}, cost_s=setup_s + time.perf_counter() - started)
     with _lock:
         _verdicts[(sid, key)] = v
         _write_stack(sid, facts)
     _log(device, v, proofs)
+    return v
+
+
+def settle(device, key: str, kind: str, chosen: str, why: str) -> Verdict:
+    """File a verdict found by a rule, not measured (``too_small``): kept in memory, not in the cache file."""
+    sid, _ = _stack_entry(device)
+    v = Verdict(key=key, kind=kind, chosen=chosen, why=why, source="rule")
+    with _lock:
+        _verdicts[(sid, key)] = v
     return v
 
 

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -279,7 +280,8 @@ def _proof_parts(x2d, w: QuantizedTensor):
     out_f, in_f = w.qdata.shape
     m = choice.shape_class(x2d.shape[0], out_f, in_f)[1]
     xp = cand.proof_activation(m, in_f, x2d.dtype, x2d.device)
-    return xp, cand.Sample(m, out_f, x2d.device), cand.weight_reference(w)
+    s = cand.Sample(m, out_f, x2d.device)
+    return xp, s, cand.weight_reference(w, s.cols)
 
 
 def _wo_key(x: torch.Tensor, w: QuantizedTensor, block, cdt):
@@ -413,6 +415,9 @@ def _route(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt) -> str:
         mode, layout_key, wdt = f"{cfg.path}/{_scaling_mode(w, cfg)}", w.layout.key, w.qdata.dtype
     key = choice.key_for(kind, mode, layout_key, m, out_f, in_f, x.dtype, wdt, cdt, bias is not None)
     v = choice.known(x.device, key)
+    if v is None and cfg.path == "auto" and choice.too_small(m, out_f, in_f):
+        v = choice.settle(x.device, key, kind, "weight-only", f"too small to prove ({choice.SMALL_MACS >> 20} M "
+                          "multiply-adds a call at most): the plain path")
     if v is None:
         if tracing():
             return fast
@@ -428,6 +433,7 @@ def _route(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt) -> str:
 
 
 def _decide(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt, key: str, kind: str, fast: str):
+    started = time.perf_counter()
     out_f, in_f = w.qdata.shape
     x2d = x.reshape(-1, in_f)
     b = None if bias is None else bias.to(cdt)
@@ -442,9 +448,9 @@ def _decide(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt, key: str, 
                                  mode=_scaling_mode(w, cfg), input_scale=w.input_scale, act_dtype=_ACT_DTYPE)}
     if forced is None:
         base = w8 if fast == "int8" else w
-        bref = wref if fast != "int8" else cand.weight_reference(w8)
-        cands["weight-only"] = cand.plain(lambda: _weight_only(xp, base, b, cdt), xp, bref, b, s)
-    return choice.decide(x.device, key, kind, cands, s, forced=forced, fallback="weight-only")
+        cands["weight-only"] = cand.plain(lambda: _weight_only(xp, base, b, cdt), xp, wref, b, s)
+    return choice.decide(x.device, key, kind, cands, s, forced=forced, fallback="weight-only",
+                         setup_s=time.perf_counter() - started)
 
 
 _WEIGHT_ONLY = ComputeConfig(path="weight_only")
@@ -473,6 +479,6 @@ def int8_conversion_wins(w: QuantizedTensor, device, m: int = 1024) -> bool:
         s = cand.Sample(xp.shape[0], out_f, device)
         cands = {"int8": cand.int8(lambda: int8.int8_linear(xp, w8, None, cdt), xp, w8, None, cdt, s),
                  "weight-only": cand.plain(lambda: linear(xp, wd, None, _WEIGHT_ONLY), xp,
-                                           cand.weight_reference(wd), None, s)}
+                                           cand.weight_reference(wd, s.cols), None, s)}
         v = choice.decide(device, key, "int8 at load", cands, s, fallback="weight-only")
     return v.chosen == "int8"

@@ -130,10 +130,12 @@ def _clock(device):
     return timed_cpu
 
 
-def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None = None) -> dict:
+def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None = None,
+                     decisive: float | None = None) -> dict:
     """Median seconds per call of each of ``fns`` (name -> callable without arguments), timed in turn for
-    ``rounds`` rounds; when ``budget_s`` is given, rounds stop early once it is spent (at least one round
-    always runs)."""
+    ``rounds`` rounds; when ``budget_s`` is given, rounds stop early once it is spent, and with
+    ``decisive`` once the slowest median is that many times the fastest (at least one round always
+    runs: a 2x gap after one round is no noise that more rounds would undo)."""
     timed = _clock(device)
     samples: dict = {name: [] for name in fns}
     spent = 0.0
@@ -144,4 +146,8 @@ def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None 
             spent += s
         if budget_s is not None and spent >= budget_s:
             break
+        if decisive is not None and len(fns) > 1:
+            medians = [sorted(v)[len(v) // 2] for v in samples.values()]
+            if min(medians) > 0 and max(medians) >= decisive * min(medians):
+                break
     return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}

@@ -310,3 +310,47 @@ def test_the_load_time_measurement_takes_every_layout_at_its_logical_shape(layou
     assert lin.int8_conversion_wins(qt, "cpu") in (True, False)
     v = _verdict("int8 at load")
     assert "n<=256|k<=256" in v.key and all(p["ok"] for p in v.proofs.values()), v.as_dict()
+
+
+def test_a_product_too_small_to_pay_for_proving_takes_the_plain_path(monkeypatch):
+    """Under "auto", a product under SMALL_MACS multiply-adds at its class's token count is not proven nor
+    timed (a fast path could win microseconds a call, proving costs more): weight-only, filed as a rule
+    in memory and not in the cache; a forced path is still proven, and selftest proves every size."""
+    calls = []
+    _inject_int8(monkeypatch, "none", calls)
+    _, w8 = _weights(n=128, k=256)
+    x = _x(m=40, k=256)
+    assert choice.too_small(40, 128, 256) and not choice.too_small(40, 256, 512)
+    y = linear(x, w8, None, AUTO)
+    assert not calls, "a small product ran the int8 kernel under auto"
+    assert torch.equal(y, linear(x, w8, None, ComputeConfig(path="weight_only")))
+    v = _verdict("int8")
+    assert v.source == "rule" and v.chosen == "weight-only" and "too small" in v.why and not v.proofs
+    linear(x, w8, None, ComputeConfig(path="int8"))  # forced: proven (another key), then run
+    assert calls and any(v.proofs for v in choice.verdicts("cpu"))
+    choice.reset()
+    with choice.every_size():
+        linear(x, w8, None, AUTO)
+    assert _verdict("int8").source == "measured"
+
+
+def test_timing_stops_once_one_candidate_is_decisively_faster():
+    from fp8_engram.quant.compute import proof
+
+    calls = {"fast": 0, "slow": 0}
+
+    def fn(name, seconds):
+        def run():
+            calls[name] += 1
+            time.sleep(seconds)
+        return run
+
+    fns = {"fast": fn("fast", 0.001), "slow": fn("slow", 0.02)}
+    got = proof.time_interleaved(fns, "cpu", rounds=3, decisive=2.0)
+    assert calls == {"fast": 1, "slow": 1} and got["slow"] > 2 * got["fast"]
+    proof.time_interleaved(fns, "cpu", rounds=3)  # without: every round
+    assert calls == {"fast": 4, "slow": 4}
+    close = {"a": fn("fast", 0.005), "b": fn("slow", 0.006)}
+    calls.update(fast=0, slow=0)
+    proof.time_interleaved(close, "cpu", rounds=3, decisive=2.0)  # within 2x: all rounds
+    assert calls == {"fast": 3, "slow": 3}

@@ -1,0 +1,135 @@
+"""First-use cost of proving the fast paths (quant/compute/choice.py), on the CPU, through ComfyUI in-process.
+
+For each model, the pack's Load FP8 Diffusion Model (node defaults: compute path auto, fast paths
+"proven on this device") loads the FP8 file and ComfyUI's KSampler runs 20 steps (euler, cfg 1), each
+run in a fresh process of its own:
+  first    the verdict cache (fast_paths.json) absent: every path kind and shape class the model meets
+           is proven and timed during its first calls
+  second   the cache the first run wrote: nothing is proven again
+Per run: the sampling wall time (KSampler's call), the first step (to the end of the first model call),
+the median later step, and what the choice itself reports: verdicts measured in this process and their
+summed cost (proof + timing), verdicts read from the cache. "proving_vs_run" is the measured cost over
+the second run's sampling time: what proving adds to a 20-step run; the second run's measured cost
+must be 0.
+
+Models (random weights, made here with bench/e2e.py's makers):
+  sd3    the tiny SD3 MMDiT the demo workflow uses (scripts/tiny_models.py's shape), 32x32 latent pixels
+  flux   Flux.1-dev's layer sizes (hidden 3072, mlp 12288, context 4096) at depth 1 double + 1 single
+         block, 128x128 pixels (64 image tokens) with 64 text tokens
+
+    .venv/bin/python bench/first_use.py [--models sd3,flux] [--steps 20]
+
+Prints one line per run and, as the last line, one JSON object {"bench": "first_use", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e  # noqa: E402  (bench/e2e.py: ComfyUI in-process, model makers, the step clock)
+
+logger = logging.getLogger("bench.first_use")
+
+
+def shape_of(model: str, steps: int) -> e2e.Shape:
+    if model == "sd3":
+        return e2e.Shape("sd3", double=2, single=0, image=32, text_tokens=16, steps=steps, vec_dim=2048, engram_repeats=0)
+    if model == "flux":
+        return e2e.Shape("flux", double=1, single=1, image=128, text_tokens=64, steps=steps, vec_dim=768, engram_repeats=0)
+    raise SystemExit(f"unknown model {model!r}: sd3 or flux")
+
+
+def child(args) -> dict:
+    """One run in this process: load with the pack's loader, sample, report the choice's figures."""
+    c = e2e.Comfy(tiny=True, models_dir=Path(args.models_dir))
+    from fp8_engram.quant.compute import choice
+
+    choice.configure(args.cache)  # where the nodes keep it in ComfyUI's user folder; here the bench's own
+    shape = shape_of(args.child, args.steps)
+    positive = e2e.conditioning(c, shape)
+    inputs = c.defaults(c.pack_fp8.LoadFP8DiffusionModel)
+    inputs.update(unet_name=args.file)
+    t0 = time.perf_counter()
+    (model,) = c.run(c.pack_fp8.LoadFP8DiffusionModel, **inputs)
+    load_s = time.perf_counter() - t0
+    clock = e2e.StepClock(c)
+    t1 = time.perf_counter()
+    e2e.sample(c, model, shape, positive, clock)
+    sample_s = time.perf_counter() - t1
+    later = clock.later_steps_s()
+    verdicts = choice.verdicts(c.device)
+    measured = [v for v in verdicts if v.source == "measured"]
+    ruled = [v for v in verdicts if v.source == "rule"]  # too small to prove: the plain path, by rule
+    return {"load_s": round(load_s, 3), "sample_s": round(sample_s, 3), "first_step_s": round(clock.first_done - t1, 3),
+            "later_step_s": round(statistics.median(later), 4) if later else None,
+            "measured": len(measured), "by_rule": len(ruled), "from_cache": len(verdicts) - len(measured) - len(ruled),
+            "proving_s": round(sum(v.cost_s for v in measured), 4),
+            "chosen": choice.summary_lines(c.device),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def run_child(model: str, file: str, models_dir: Path, cache: Path, steps: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", model, "--file", file, "--models-dir", str(models_dir),
+           "--cache", str(cache), "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"the {model} run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="sd3,flux")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--models-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    load_before = os.getloadavg()[0]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="fp8_engram_first_use_", dir=e2e.scratch_dir(shape_of("flux", 1))) as tmp:
+        models_dir = Path(tmp) / "models"
+        c = e2e.Comfy(tiny=True, models_dir=models_dir)
+        for model in args.models.split(","):
+            shape = shape_of(model, args.steps)
+            files = e2e.make_files(c, shape, models_dir, c.torch.device("cpu"))
+            cache = Path(tmp) / f"fast_paths_{model}.json"
+            runs = {name: run_child(model, files["fp8"], models_dir, cache, args.steps) for name in ("first", "second")}
+            first, second = runs["first"], runs["second"]
+            row = {"params": files["params"], "runs": runs,
+                   "proving_vs_run": round(first["proving_s"] / second["sample_s"], 4),
+                   "first_vs_second_sample": round(first["sample_s"] / second["sample_s"], 3),
+                   "second_proves": second["measured"]}
+            results[model] = row
+            for name, r in runs.items():
+                print(f"{model:5s} {name:6s} sample {r['sample_s']:8.2f} s  first step {r['first_step_s']:7.3f} s  "
+                      f"later step {r['later_step_s']} s  proved {r['measured']} ({r['proving_s']:.3f} s)  "
+                      f"from cache {r['from_cache']}  too small to prove {r['by_rule']}")
+            print(f"{model:5s} proving adds {100 * row['proving_vs_run']:.2f} % to a {args.steps}-step run; "
+                  f"first/second sampling time {row['first_vs_second_sample']}; the second run proved {row['second_proves']}")
+            for line in first["chosen"]:
+                print(f"{model:5s} chosen: {line}")
+    summary = {"bench": "first_use", "device": "cpu", "steps": args.steps, "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+               "statistic": "one run each, fresh processes; proving_vs_run = first run's measured proving cost / second run's sampling time",
+               "models": results}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
