@@ -49,12 +49,17 @@ logger = logging.getLogger("fp8_engram.quant.compute.linear")
 
 __all__ = ["Candidate", "Verdict", "WIN", "ROUNDS", "BUDGET_S", "M_CLASSES", "ROWS", "COLS", "configure",
            "cache_path", "forget", "reset", "describe", "key_for", "known", "decide", "stack", "verdicts", "summary_lines",
-           "shape_class", "SMALL_MACS", "too_small", "settle", "every_size"]
+           "shape_class", "SMALL_MACS", "too_small", "settle", "every_size", "TIME_ROWS"]
 
 WIN = 0.97
 ROUNDS = 3
 BUDGET_S = 0.5
 DECISIVE = 2.0  # timing stops after a round in which one candidate took this many times another's time
+# On the CPU, a weight of more than twice this many output rows is timed on its first TIME_ROWS rows:
+# every candidate's cost there grows with the rows, so the ratio holds, and a 12288-row layer is timed
+# at a twelfth of its cost (a fixed per-call cost, as int8's activation quantizer, then weighs a little
+# more: the slice leans to the plain path, never away from it)
+TIME_ROWS = 1024
 # (tokens up to, tokens timed at): the last class holds everything above 1024 tokens
 M_CLASSES = ((16, 16), (128, 128), (1024, 1024), (math.inf, 4096))
 ROWS, COLS = 64, 256
@@ -77,6 +82,9 @@ class Candidate:
     run: Callable[[], torch.Tensor]
     twin: Callable[[], torch.Tensor] | None = None
     reference: Callable[[], torch.Tensor] | None = None
+    # what the timing calls instead of run: the same product on the first TIME_ROWS rows of a large
+    # weight (every candidate of a key on the same slice); the plain path is then not run for its proof
+    timed: Callable[[], torch.Tensor] | None = None
 
 
 @dataclass
@@ -365,6 +373,11 @@ def decide(device, key: str, kind: str, candidates: dict, sample: Callable, *, f
     names = [forced] if forced is not None else list(candidates)
     for name in names:
         cand = candidates[name]
+        if cand.twin is None and cand.timed is not None and forced is None:
+            # the plain path is the reference math itself and always passes: timed on the slice only
+            proofs[name] = proof.Proof(True, math.nan, math.nan, "the plain path")
+            passed[name] = cand
+            continue
         try:
             with torch.no_grad():
                 p, _ = _prove_one(cand, sample)
@@ -381,8 +394,12 @@ def decide(device, key: str, kind: str, candidates: dict, sample: Callable, *, f
         why = "forced" if proofs[forced].ok else f"forced, refused: {proofs[forced].why}"
     else:
         if len(passed) > 1:
+            fns = {n: c.timed or c.run for n, c in passed.items()}
             with torch.no_grad():
-                seconds = proof.time_interleaved({n: c.run for n, c in passed.items()}, device, ROUNDS, BUDGET_S, DECISIVE)
+                if any(c.timed is not None for c in passed.values()):
+                    for fn in fns.values():  # the slices' first calls (buffers, caches) are not timed
+                        fn()
+                seconds = proof.time_interleaved(fns, device, ROUNDS, BUDGET_S, DECISIVE)
         chosen, why = _fastest(passed, seconds, fallback)
     v = Verdict(key=key, kind=kind, chosen=chosen, why=why, proofs={n: p.as_dict() for n, p in proofs.items()},
                 seconds={n: round(s, 7) for n, s in seconds.items()}, cost_s=setup_s + time.perf_counter() - started)

@@ -48,6 +48,8 @@ class Proof:
 
 
 def _finite_or_text(v: float):
+    if math.isnan(v):
+        return "not measured"
     return round(v, 2) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
 
 

@@ -57,6 +57,12 @@ class LayoutBase:
     def kernel_block(self, shape):
         return None
 
+    def first_rows(self, qdata, scale, n: int):
+        """(qdata, scale) of the first ``n`` output rows of a 2-D weight, still of this layout (the compute
+        floor times a large layer's candidates on such a slice), or None where the layout cannot cut
+        there (the default: packed data, scales laid out across rows)."""
+        return None
+
     def fp8_scaling(self, shape) -> str | None:
         return None
 

@@ -150,6 +150,9 @@ class PerTensor(LayoutBase):
     name = "per_tensor"
     reshapeable = True  # one scale for everything: any view of the data keeps its meaning
 
+    def first_rows(self, qdata, scale, n: int):
+        return (qdata[:n], scale) if qdata.dim() == 2 else None
+
     def kernel_block(self, shape):
         return (tuple(shape) if len(shape) == 2 else None), True
 
@@ -186,6 +189,9 @@ class PerRow(LayoutBase):
 
     def kernel_block(self, shape):
         return (1, shape[1]), False
+
+    def first_rows(self, qdata, scale, n: int):
+        return qdata[:n], scale.reshape(qdata.shape[0], 1)[:n]
 
     def fp8_scaling(self, shape) -> str | None:
         return "row"
@@ -227,6 +233,11 @@ class Block(LayoutBase):
 
     def kernel_block(self, shape):
         return (self.rows, self.cols), False
+
+    def first_rows(self, qdata, scale, n: int):
+        if n % self.rows:
+            return None
+        return qdata[:n], scale[: n // self.rows]
 
     def fp8_scaling(self, shape) -> str | None:
         """The 128x128 block-wise scaled matmul (1x128 activation groups) takes whole blocks only."""

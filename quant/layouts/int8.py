@@ -140,6 +140,9 @@ class Int8(LayoutBase):
         self._check(shape)
         return (shape[0], 1) if self.per_row else ()
 
+    def first_rows(self, qdata, scale, n: int):
+        return qdata[:n], (scale.reshape(qdata.shape[0], 1)[:n] if self.per_row else scale)
+
     def normalize_scale(self, scale: torch.Tensor, shape) -> torch.Tensor:
         want = self.scale_shape(shape)
         if self.per_row:

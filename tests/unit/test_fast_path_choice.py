@@ -354,3 +354,37 @@ def test_timing_stops_once_one_candidate_is_decisively_faster():
     calls.update(fast=0, slow=0)
     proof.time_interleaved(close, "cpu", rounds=3, decisive=2.0)  # within 2x: all rounds
     assert calls == {"fast": 3, "slow": 3}
+
+
+def test_a_large_layer_is_timed_on_its_first_rows(monkeypatch):
+    """On the CPU, a weight of more than 2 x TIME_ROWS rows: the fast path's proof runs on the whole
+    weight, the timing of every candidate on its first TIME_ROWS rows, and the plain path (the reference
+    math itself) is never run whole while deciding; the call's own output is the whole product."""
+    calls = []
+    _inject_int8(monkeypatch, "none")
+    real_mm = qint8.int8_linear_mm
+
+    def recording(xq, sa, wq, sb, bias, out_dtype):
+        calls.append(("int8", wq.shape[0]))
+        return real_mm(xq, sa, wq, sb, bias, out_dtype)
+
+    monkeypatch.setattr(qint8, "int8_linear_mm", recording)
+    real_dq = lin._dequantized_weight
+
+    def dequantized(x, w, *args, **kwargs):
+        calls.append(("weight-only", w.qdata.shape[0]))
+        return real_dq(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(lin, "_dequantized_weight", dequantized)
+    rows = 2 * choice.TIME_ROWS + 512
+    _, w8 = _weights(n=rows, k=256)
+    x = _x(m=40, k=256)
+    y = linear(x, w8, None, AUTO)
+    v = _verdict("int8")
+    assert v.source == "measured" and set(v.seconds) == {"int8", "weight-only"}, v.as_dict()
+    deciding = calls[:-1]  # the last call is the product itself, on the chosen path
+    assert ("int8", rows) in deciding, "the int8 kernel was not proven on the whole weight"
+    assert ("weight-only", rows) not in deciding, "the plain path ran on the whole weight while deciding"
+    assert {("int8", choice.TIME_ROWS), ("weight-only", choice.TIME_ROWS)} <= set(deciding), deciding
+    assert calls[-1][1] == rows and y.shape == (40, rows)
+    assert v.proofs["weight-only"]["ok"] and v.proofs["weight-only"]["why"] == "the plain path"
