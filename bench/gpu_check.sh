@@ -7,29 +7,32 @@
 #              folder put first on PYTHONPATH (ComfyUI's requirements the machine lacks: README, Development)
 #   env        versions, GPU, and whether ComfyUI's tree imports in-process (comfy.sd, samplers, nodes)
 #   tests      the GPU-relevant unit tests (-k "$GPU_CHECK_TESTS_K")
+#   selftest   python -m fp8_engram.quant.selftest --device cuda:0 --json: every fast path proven and timed
+#              on the Flux/Wan/SD3 shapes (selftest.json)
 #   benches    bench/quant_linear.py --device cuda, bench/engram_fetch.py --device cuda, bench/e2e.py
 #              (ComfyUI in-process on a Flux-shaped model: its tree is COMFYUI_PATH, else .host/comfyui)
 # Output, at most 8 files (the device tool returns no more), in $OUT if set, else ./gpu-check-out:
 #   summary.json   every step's exit status and time, and each bench's last-line JSON
+#   selftest.json  the selftest's report (the device stack and every verdict with its figures)
 #   gpu_check.log  what this script said
 #   logs.tar.gz    every log: env.txt, nvidia-smi.txt, wheels.log, pytest.log, pytest.xml, bench_*.log
 # They are rewritten after every step, so a run cut short still returns what it did.
 #
-# Exit status: 0 all good; 1 tests failed; 2 tests passed but a bench failed, timed out or was skipped;
+# Exit status: 0 all good; 1 tests or the selftest failed; 2 tests passed but a bench failed, timed out or was skipped;
 # 3 the environment lacks something the check needs (printed).
 #
 #   bash bench/gpu_check.sh
 #   GPU_CHECK_SKIP_BENCH=1 bash bench/gpu_check.sh      # no benches (how the plumbing is tried without a GPU)
 #   GPU_CHECK_E2E_ARGS=--tiny GPU_CHECK_TESTS_K=... bash bench/gpu_check.sh   # e2e on the CPU, fewer tests
 #   PYTHON=/path/to/python bash bench/gpu_check.sh
-# Step limits (seconds): GPU_CHECK_LIMIT_TESTS (180), GPU_CHECK_LIMIT_QUANT_LINEAR (90),
+# Step limits (seconds): GPU_CHECK_LIMIT_TESTS (180), GPU_CHECK_LIMIT_SELFTEST (120), GPU_CHECK_LIMIT_QUANT_LINEAR (90),
 # GPU_CHECK_LIMIT_ENGRAM_FETCH (90), GPU_CHECK_LIMIT_E2E (180); each is cut to what the budget has left.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$ROOT/gpu-check-out}"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-TESTS_K="${GPU_CHECK_TESTS_K:-cuda or fp8_path or tensor_ops or buffer or group or numerics}"
+TESTS_K="${GPU_CHECK_TESTS_K:-cuda or fp8_path or fast_path or tensor_ops or buffer or group or numerics}"
 WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.whl}"
 BUDGET="${GPU_CHECK_BUDGET_S:-470}"
 COMFY_TREE="${COMFYUI_PATH:-$ROOT/.host/comfyui}"
@@ -41,7 +44,7 @@ WORK="$(mktemp -d)"  # logs live here until packed into $OUT_DIR
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
 trap 'pack; rm -rf "$WORK"' EXIT
-rm -f "$OUT_DIR/summary.json" "$OUT_DIR/gpu_check.log" "$OUT_DIR/logs.tar.gz"
+rm -f "$OUT_DIR/summary.json" "$OUT_DIR/gpu_check.log" "$OUT_DIR/logs.tar.gz" "$OUT_DIR/selftest.json"
 
 # `import fp8_engram` without this checkout's .host: a temp folder holding a symlink to the repo.
 mkdir -p "$WORK/pkg"
@@ -194,6 +197,13 @@ tests_rc=$?
 # The failures' own lines and the summary (the whole log is in logs.tar.gz).
 grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|error" "$WORK/pytest.log" | tail -40
 
+# ----- the fast-path table (quant/selftest.py): what a user attaches to a bug report -----
+step selftest "${GPU_CHECK_LIMIT_SELFTEST:-120}" selftest.log "$PY" -m fp8_engram.quant.selftest --device cuda:0 --json
+selftest_rc=$?
+if [ $selftest_rc -eq 0 ]; then
+    sed -n '/^{/,$p' "$WORK/selftest.log" >"$OUT_DIR/selftest.json"  # the JSON (the log's warnings stay in the log)
+fi
+
 # ----- benches -----
 bench_rc=0
 run_bench() {  # name limit_s args...
@@ -217,8 +227,8 @@ else
     log "benches skipped (GPU_CHECK_SKIP_BENCH is set)"
 fi
 
-log "done in $(( $(date +%s) - T_START )) s: tests exit $tests_rc, benches $bench_rc"
-if [ $tests_rc -ne 0 ]; then
+log "done in $(( $(date +%s) - T_START )) s: tests exit $tests_rc, selftest exit $selftest_rc, benches $bench_rc"
+if [ $tests_rc -ne 0 ] || [ $selftest_rc -ne 0 ]; then
     exit 1
 fi
 exit $bench_rc

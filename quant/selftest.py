@@ -4,7 +4,7 @@
                                         [--cache FILE]
 
 For each model's linear shapes, token count and weight layout (FP8 per row, per tensor, 128x128 blocks;
-int8 per channel), the product runs once through ``linear`` under "auto" (and, on the CPU, forced fp8 and
+int8 per channel; NVFP4 on CUDA), the product runs once through ``linear`` under "auto" (and, on the CPU, forced fp8 and
 int8 too), so every candidate path is proven against its twin and timed against the plain path exactly
 as a model's first use would (``compute/choice.py``); the table lists each verdict with its figures.
 This is the one thing to attach to a bug report about speed or wrong images. Without ``--cache`` nothing
@@ -24,7 +24,7 @@ import torch
 from .compute import choice, int8 as int8_path
 from .compute.linear import int8_conversion_wins, linear
 from .config import ComputeConfig
-from .layouts import Block, PerRow, PerTensor
+from .layouts import NVFP4, Block, PerRow, PerTensor
 from .tensor import QuantizedTensor
 
 # (out features, in features) of the linears that repeat in each model's blocks
@@ -47,6 +47,8 @@ def _weights(n: int, k: int, device) -> dict:
     if n % 128 == 0 and k % 128 == 0:
         out["fp8 block 128"] = QuantizedTensor.from_float(w, Block(128, 128))
     out["int8 per channel"] = int8_path.to_int8(out["fp8 per row"])
+    if torch.device(device).type == "cuda":  # the NVFP4 GEMM (the CPU runs NVFP4 weight-only, no choice)
+        out["nvfp4"] = QuantizedTensor.from_float(w, NVFP4.for_shape((n, k)))
     return {name: QuantizedTensor.from_parts(q.qdata.to(device), q.scale.to(device), q.layout,
                                              orig_dtype=torch.bfloat16) for name, q in out.items()}
 
@@ -99,7 +101,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=None, help="a verdict file to read and add to (default: none)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        ap.error(f"--device {args.device!r}: {exc}")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        ap.error(f"--device {args.device}: torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} "
+                 f"CUDA GPU(s) here")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in SHAPES]
     if unknown:

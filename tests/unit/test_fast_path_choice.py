@@ -3,7 +3,8 @@
 Kernels are injected through the real dispatch: the CPU int8 GEMM (``torch._int_mm`` behind
 ``compute.int8.int8_linear_mm``) and the scaled matmul (``compute.scaled_mm._scaled_mm``) are replaced by
 versions that are 1% off, return zeros, return NaN or sleep; ``linear`` then proves them on first use.
-The proofs on a real GPU are in test_kernels_cuda.py / bench/gpu_check.sh (skipped here: no GPU).
+On a CUDA GPU, test_every_path_proves_right_on_this_gpu runs the real proofs of every kernel (selftest
+on the SD3 shapes); the kernels' own value checks are in test_kernels_cuda.py (skipped without a GPU).
 """
 
 from __future__ import annotations
@@ -388,3 +389,21 @@ def test_a_large_layer_is_timed_on_its_first_rows(monkeypatch):
     assert {("int8", choice.TIME_ROWS), ("weight-only", choice.TIME_ROWS)} <= set(deciding), deciding
     assert calls[-1][1] == rows and y.shape == (40, rows)
     assert v.proofs["weight-only"]["ok"] and v.proofs["weight-only"]["why"] == "the plain path"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the real kernels are proven there)")
+def test_every_path_proves_right_on_this_gpu(capsys):
+    """selftest on cuda:0 (SD3 shapes, 16 and 1024 tokens): every kernel this GPU runs (the weight-only and
+    NVFP4 GEMMs, int8 where Triton compiles it, fp8 x fp8 per row / tensor / block-wise on FP8 GPUs) is
+    proven right against its twin; a kernel refused here is a bug of the pack on this GPU."""
+    from fp8_engram.quant import selftest
+
+    assert selftest.main(["--device", "cuda:0", "--models", "sd3", "--tokens", "16,1024", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    refused = [(v["kind"], v["key"], name, p["why"]) for v in report["verdicts"] for name, p in v["proofs"].items()
+               if not p["ok"]]
+    assert not refused, refused
+    kinds = {v["kind"] for v in report["verdicts"]}
+    assert {"weight-only GEMM", "NVFP4 GEMM"} <= kinds, kinds
+    if torch.cuda.get_device_capability() >= (8, 9):
+        assert {"fp8 x fp8 per row", "fp8 x fp8 per tensor", "fp8 x fp8 block-wise"} <= kinds, kinds
