@@ -4,7 +4,8 @@
                                         [--cache FILE]
 
 For each model's linear shapes, token count and weight layout (FP8 per row, per tensor, 128x128 blocks;
-int8 per channel; NVFP4 on CUDA), the product runs once through ``linear`` under "auto" (and, on the CPU, forced fp8 and
+int8 per channel, and per tensor with ComfyUI's ConvRot, where comfy-kitchen's int8 is a candidate too
+when it is installed; NVFP4 on CUDA), the product runs once through ``linear`` under "auto" (and, on the CPU, forced fp8 and
 int8 too), so every candidate path is proven against its twin and timed against the plain path exactly
 as a model's first use would (``compute/choice.py``); the table lists each verdict with its figures.
 This is the one thing to attach to a bug report about speed or wrong images. Without ``--cache`` nothing
@@ -24,7 +25,7 @@ import torch
 from .compute import choice, int8 as int8_path
 from .compute.linear import int8_conversion_wins, linear
 from .config import ComputeConfig
-from .layouts import NVFP4, Block, PerRow, PerTensor
+from .layouts import NVFP4, Block, Int8, PerRow, PerTensor
 from .tensor import QuantizedTensor
 
 # (out features, in features) of the linears that repeat in each model's blocks
@@ -47,6 +48,8 @@ def _weights(n: int, k: int, device) -> dict:
     if n % 128 == 0 and k % 128 == 0:
         out["fp8 block 128"] = QuantizedTensor.from_float(w, Block(128, 128))
     out["int8 per channel"] = int8_path.to_int8(out["fp8 per row"])
+    if k % 256 == 0:  # as ComfyUI's int8 files come (one scale, ConvRot 256): comfy-kitchen's too, where present
+        out["int8 ConvRot"] = QuantizedTensor.from_float(w, Int8(False, 256, True), fp8_dtype=torch.int8)
     if torch.device(device).type == "cuda":  # the NVFP4 GEMM (the CPU runs NVFP4 weight-only, no choice)
         out["nvfp4"] = QuantizedTensor.from_float(w, NVFP4.for_shape((n, k)))
     return {name: QuantizedTensor.from_parts(q.qdata.to(device), q.scale.to(device), q.layout,

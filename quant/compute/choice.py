@@ -85,6 +85,9 @@ class Candidate:
     # what the timing calls instead of run: the same product on the first TIME_ROWS rows of a large
     # weight (every candidate of a key on the same slice); the plain path is then not run for its proof
     timed: Callable[[], torch.Tensor] | None = None
+    # a further check of the sampled output once it passed against its twin: the reason it fails, or None
+    # (a library's kernel whose twin is the library's own eager code must also compute the pack's product)
+    agrees: Callable[[torch.Tensor], str | None] | None = None
 
 
 @dataclass
@@ -356,7 +359,12 @@ def _prove_one(cand: Candidate, sample) -> tuple:
         ref = cand.reference() if cand.reference is not None else None
         db = proof.sqnr_db(got, ref) if ref is not None else math.inf
         return proof.Proof(True, db, db, "the plain path"), out
-    return proof.judge(got, cand.twin(), cand.reference()), out
+    p = proof.judge(got, cand.twin(), cand.reference())
+    if p.ok and cand.agrees is not None:
+        why = cand.agrees(got)
+        if why is not None:
+            p = proof.Proof(False, p.sqnr_db, p.twin_db, why)
+    return p, out
 
 
 def decide(device, key: str, kind: str, candidates: dict, sample: Callable, *, forced: str | None = None,

@@ -32,7 +32,7 @@ from ..kernels import ops as kernel_ops
 from ..layouts.int8 import rotate
 from ..runtime import log_once, tracing, workspace
 from ..tensor import QuantizedTensor
-from . import candidates as cand, choice, failures as fails, int8, nvfp4, scaled_mm as sm
+from . import candidates as cand, choice, failures as fails, int8, kitchen, nvfp4, scaled_mm as sm
 from .failures import device_key as _device_key, first_line as _first_line, is_oom as _is_oom
 from .scaled_mm import ACT_DTYPE as _ACT_DTYPE, fp8_supported
 
@@ -359,6 +359,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         route = _route(x, weight, w8, bias, cfg, cdt)
         if route == "weight-only":  # (an int8 weight is its own w8)
             return _weight_only(x, weight, bias, cdt)
+        if route == KITCHEN_INT8:
+            return _kitchen_int8(x, w8, bias, cdt)
     if w8 is not None:
         b = None if bias is None else bias.to(cdt)
         if fails.int8_failed and (_device_key(x.device), w8.layout, x.dtype, cdt) in fails.int8_failed:
@@ -396,7 +398,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
 
 
 def _route(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt) -> str:
-    """"int8", "fp8" or "weight-only" for this product: the fast path where it was proven right on this
+    """"int8", "fp8", KITCHEN_INT8 or "weight-only" for this product: the fast path where it was proven right on this
     device and, unless forced, measured faster than weight-only for this shape class. Where the config
     trusts fast paths, while torch.compile traces (without a verdict) and under autograd, the fast path
     is taken as the config asks, unproven."""
@@ -408,7 +410,8 @@ def _route(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt) -> str:
     m = x.numel() // in_f
     if fast == "int8":
         kind, mode, wdt = "int8", cfg.path, w8.qdata.dtype
-        layout_key = f"int8/rotation{w8.layout.rotation}"
+        lay = w8.layout  # what decides a candidate's eligibility (kitchen: the rotation's kind, the scale's)
+        layout_key = f"int8/rotation{lay.rotation}{'regular' if lay.regular else ''}/{'row' if lay.per_row else 'tensor'}"
     else:
         scaling = w.layout.fp8_scaling(w.qdata.shape)
         kind = f"fp8 x fp8 per {scaling}" if scaling != "block" else "fp8 x fp8 block-wise"
@@ -441,6 +444,11 @@ def _decide(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt, key: str, 
     if fast == "int8":
         xp, s, wref = _proof_parts(x2d, w8)
         cands = {"int8": cand.int8(lambda: int8.int8_linear(xp, w8, b, cdt), xp, w8, b, cdt, s)}
+        if forced is None and kitchen.module() is not None and kitchen.takes(w8):  # what stock ComfyUI runs
+            ours = cands["int8"]
+            product_ref = cand.plain(None, xp, wref, b, s).reference
+            cands[KITCHEN_INT8] = kitchen.int8_candidate(lambda: kitchen.int8_linear(xp, w8, b, cdt), xp, w8, b, cdt, s,
+                                                         product_ref, ours.twin)
     else:
         xp, s, wref = _proof_parts(x2d, w)
         scaling = w.layout.fp8_scaling(w.qdata.shape)
@@ -455,10 +463,28 @@ def _decide(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt, key: str, 
             cands["weight-only"].timed = lambda: _weight_only(xp, ws, bs, cdt)
             if fast == "int8":
                 cands["int8"].timed = lambda: int8.int8_linear(xp, ws, bs, cdt)
+                if KITCHEN_INT8 in cands:
+                    cands[KITCHEN_INT8].timed = lambda: kitchen.int8_linear(xp, ws, bs, cdt)
             else:
                 cands["fp8"].timed = lambda: _fp8_product(xp, ws, cfg, cdt, bs)
     return choice.decide(x.device, key, kind, cands, s, forced=forced, fallback="weight-only",
                          setup_s=time.perf_counter() - started)
+
+
+KITCHEN_INT8 = "kitchen int8"  # comfy-kitchen's int8_linear (kitchen.py), where the ComfyUI in use brings it
+
+
+def _kitchen_int8(x, w8: QuantizedTensor, bias, cdt):
+    b = None if bias is None else bias.to(cdt)
+    key = (_device_key(x.device), "kitchen", w8.layout, x.dtype, cdt)
+    if fails.int8_failed and key in fails.int8_failed:
+        return _weight_only(x, w8, b, cdt)
+    try:
+        return kitchen.int8_linear(x.to(cdt), w8, b, cdt)
+    except Exception as exc:  # proven on the proof's shape; a call that raises later must not break the model
+        fails.remember_failure(fails.int8_failed, key, exc, "comfy-kitchen int8 linear", x.device,
+                               f"{w8.layout} weights, {x.dtype} -> {cdt}")
+        return _weight_only(x, w8, b, cdt)
 
 
 def _timing_slice(device, w: QuantizedTensor, bias):

@@ -1,0 +1,102 @@
+"""comfy-kitchen's int8 linear as a candidate of the choice (``choice.py``), where the ComfyUI in use brings it.
+
+ComfyUI 0.29 and newer depend on comfy-kitchen, Comfy-Org's kernel library; for INT8 weights with one
+scale per tensor or per output channel and either no rotation or ComfyUI's ConvRot (a regular Hadamard
+rotation of K), stock ComfyUI runs ``comfy_kitchen.int8_linear``: per-token int8 activation, int8 GEMM,
+through whichever of kitchen's backends ComfyUI enabled (its CUDA and Triton kernels on a GPU, its eager
+torch code elsewhere). Offering that same call as a candidate, proven and timed like the pack's own paths,
+makes the pack never slower than stock ComfyUI with kitchen on that device.
+
+Its proof has two parts. Same math: the call against kitchen's own eager backend, in the compute dtype
+(the twin) and in float32 (the reference), so a kitchen kernel 1% off fails as the pack's own would.
+Same product: its output against the plain path's float64 reference must be no worse than the pack's
+int8 twin's (the same per-token int8 quantization) by more than ``proof.MARGIN_DB``, so kitchen reading
+a weight differently from the pack (a rotation, a scale layout) fails too, even where its eager code
+agrees with its kernels.
+
+kitchen's fp8 matmul (``scaled_mm_v2``) calls ``torch._scaled_mm``, the same cuBLASLt product the pack's
+fp8 candidate runs; its NVFP4 and MXFP8 matmuls need fp4/fp8 activations on Blackwell and are not
+candidates here. Imported only when present; never imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+
+import torch
+
+from ..layouts import Int8
+from . import proof
+from .choice import Candidate
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["module", "takes", "int8_linear", "int8_candidate"]
+
+_found: dict = {}
+
+
+def module():
+    """``comfy_kitchen`` when it imports here, else None (looked up once)."""
+    if "module" not in _found:
+        ck = None
+        if importlib.util.find_spec("comfy_kitchen") is not None:
+            try:
+                ck = importlib.import_module("comfy_kitchen")
+                if not callable(getattr(ck, "int8_linear", None)):
+                    ck = None
+            except Exception as exc:  # noqa: BLE001 - a broken install is no candidate, not an error
+                logger.info("comfy-kitchen does not import here (%s: %s); its ops are no candidates", type(exc).__name__, exc)
+                ck = None
+        _found["module"] = ck
+    return _found["module"]
+
+
+def takes(w8) -> bool:
+    """Whether ``comfy_kitchen.int8_linear`` computes this Int8 weight's product (its scale and rotation)."""
+    layout = w8.layout
+    if not isinstance(layout, Int8) or layout.cast_first or w8.transposed or w8.qdata.dim() != 2:
+        return False
+    return layout.rotation == 0 or layout.regular
+
+
+def _args(w8) -> dict:
+    rotation = w8.layout.rotation
+    return {"weight_scale": w8.scale.to(torch.float32).reshape(-1), "convrot": bool(rotation),
+            "convrot_groupsize": rotation or 256}
+
+
+def int8_linear(x: torch.Tensor, w8, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """``comfy_kitchen.int8_linear`` on an Int8 weight (``takes(w8)``), x of any rank, output in ``out_dtype``."""
+    ck = module()
+    return ck.int8_linear(x, w8.qdata, bias=bias, out_dtype=out_dtype, **_args(w8))
+
+
+def _eager(x: torch.Tensor, w8, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    ck = module()
+    with ck.use_backend("eager"):
+        return ck.int8_linear(x, w8.qdata, bias=bias, out_dtype=out_dtype, **_args(w8))
+
+
+def int8_candidate(run, x: torch.Tensor, w8, bias, cdt: torch.dtype, s, product_ref, pack_twin) -> Candidate:
+    """The candidate for ``run`` (kitchen's call on the proof activation ``x``): twin and reference from
+    kitchen's eager backend on the sampled rows; ``product_ref()`` is the plain path's reference and
+    ``pack_twin()`` the pack's int8 twin on the same sample (the "same product" check)."""
+    xr = x.index_select(0, s.rows)
+
+    def cols(out: torch.Tensor) -> torch.Tensor:
+        return out.index_select(1, s.cols)
+
+    def agrees(got: torch.Tensor) -> str | None:
+        ref = product_ref()
+        mine, theirs = proof.sqnr_db(pack_twin(), ref), proof.sqnr_db(got, ref)
+        need = min(mine, proof.CEILING_DB) - proof.MARGIN_DB
+        if theirs >= need:
+            return None
+        return (f"computes another product than the weight's: {theirs:.1f} dB against the dequantized weight's, "
+                f"the pack's int8 {mine:.1f} dB (needs {need:.1f})")
+
+    return Candidate(run=run, twin=lambda: cols(_eager(xr, w8, bias, cdt)),
+                     reference=lambda: cols(_eager(xr, w8, bias, torch.float32)), agrees=agrees)
