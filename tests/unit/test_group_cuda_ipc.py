@@ -293,24 +293,26 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-def test_ranks_unmap_their_peers_before_owners_free(fake_driver, tmp_path):
-    """Three CPU ranks (gloo) over the stand-in driver, which fails a free while another process
-    still maps the memory: every rank unmaps, the ranks agree, then owners free; rank 1 keeps a
-    view of rank 2's shard past close, so rank 2 leaves its shard to the process exit (logged)
-    instead of freeing memory that is still mapped, and rank 1's view still reads it."""
-    world = 3
+def _run_ranks(script: str, library: str, store: str, world: int) -> dict[int, dict]:
     procs = []
     for rank in range(world):
-        code = (f"PKG, LIBRARY, STORE, RANK, WORLD = {PKG!r}, {cuda_ipc._LIBRARY!r}, "
-                f"{str(tmp_path / 'store')!r}, {rank}, {world}\n" + RANK_SCRIPT)
-        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        code = f"PKG, LIBRARY, STORE, RANK, WORLD = {PKG!r}, {library!r}, {store!r}, {rank}, {world}\n" + script
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = {}
     for proc in procs:
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-3000:]
         row = json.loads(out.strip().splitlines()[-1])
         results[row["rank"]] = row
+    return results
+
+
+def test_ranks_unmap_their_peers_before_owners_free(fake_driver, tmp_path):
+    """Three CPU ranks (gloo) over the stand-in driver, which fails a free while another process
+    still maps the memory: every rank unmaps, the ranks agree, then owners free; rank 1 keeps a
+    view of rank 2's shard past close, so rank 2 leaves its shard to the process exit (logged)
+    instead of freeing memory that is still mapped, and rank 1's view still reads it."""
+    results = _run_ranks(RANK_SCRIPT, cuda_ipc._LIBRARY, str(tmp_path / "store"), 3)
     for rank, row in results.items():
         assert row["seen"] == [1, 2, 3], row
         assert not [m for m in row["log"] if "failed" in m], (rank, row["log"])
@@ -355,20 +357,6 @@ BUFFER_SCRIPT = textwrap.dedent(
     print(json.dumps({"rank": rank, "probes": probes, "seen": seen, "live": cuda_ipc._load().fake_live()}))
     """
 )
-
-
-def _run_ranks(script: str, library: str, store: str, world: int) -> dict[int, dict]:
-    procs = []
-    for rank in range(world):
-        code = f"PKG, LIBRARY, STORE, RANK, WORLD = {PKG!r}, {library!r}, {store!r}, {rank}, {world}\n" + script
-        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = {}
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-3000:]
-        row = json.loads(out.strip().splitlines()[-1])
-        results[row["rank"]] = row
-    return results
 
 
 def test_ranks_read_back_each_others_shards_at_start(tmp_path):
