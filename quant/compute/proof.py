@@ -134,13 +134,18 @@ def _clock(device):
 
 def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None = None,
                      decisive: float | None = None) -> dict:
-    """Median seconds per call of each of ``fns`` (name -> callable without arguments), timed in turn for
-    ``rounds`` rounds; when ``budget_s`` is given, rounds stop early once it is spent, and with
-    ``decisive`` once the slowest median is that many times the fastest (at least one round always
-    runs: a 2x gap after one round is no noise that more rounds would undo)."""
+    """Seconds per call of each of ``fns`` (name -> callable without arguments), timed in turn for
+    ``rounds`` rounds: the lower median of each one's calls (of two, the faster: a call slowed once by
+    something else running never decides). When ``budget_s`` is given, rounds stop early once it is
+    spent, and with ``decisive`` after the second round once the slowest figure is that many times the
+    fastest (at least one round always runs)."""
     timed = _clock(device)
     samples: dict = {name: [] for name in fns}
     spent = 0.0
+
+    def figure(v):
+        return sorted(v)[(len(v) - 1) // 2]
+
     for i in range(max(1, rounds)):
         for name, fn in fns.items():
             s = timed(fn)
@@ -148,8 +153,8 @@ def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None 
             spent += s
         if budget_s is not None and spent >= budget_s:
             break
-        if decisive is not None and len(fns) > 1:
-            medians = [sorted(v)[len(v) // 2] for v in samples.values()]
-            if min(medians) > 0 and max(medians) >= decisive * min(medians):
+        if decisive is not None and len(fns) > 1 and i >= 1:
+            figures = [figure(v) for v in samples.values()]
+            if min(figures) > 0 and max(figures) >= decisive * min(figures):
                 break
-    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+    return {name: figure(v) for name, v in samples.items()}

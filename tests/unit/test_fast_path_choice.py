@@ -54,7 +54,7 @@ def _inject_int8(monkeypatch, how: str, calls: list | None = None):
             out[0, 0] = float("nan")
             return out
         if how == "slow":
-            time.sleep(0.05)
+            time.sleep(0.2)
         return out
 
     monkeypatch.setattr(qint8, "int8_linear_mm", fake)
@@ -143,7 +143,7 @@ def test_the_slow_path_loses_either_way(monkeypatch):
     linear(x, w8, None, AUTO)
     v = _verdict("int8")
     assert v.proofs["int8"]["ok"] and v.chosen == "weight-only", v.as_dict()
-    assert v.seconds["int8"] > v.seconds["weight-only"] + 0.04
+    assert v.seconds["int8"] > v.seconds["weight-only"] + 0.15
     # and the other way: the plain path made slow, the (right) int8 path wins
     monkeypatch.undo()
     choice.reset()
@@ -348,9 +348,9 @@ def test_timing_stops_once_one_candidate_is_decisively_faster():
 
     fns = {"fast": fn("fast", 0.001), "slow": fn("slow", 0.02)}
     got = proof.time_interleaved(fns, "cpu", rounds=3, decisive=2.0)
-    assert calls == {"fast": 1, "slow": 1} and got["slow"] > 2 * got["fast"]
+    assert calls == {"fast": 2, "slow": 2} and got["slow"] > 2 * got["fast"]  # two rounds, then decided
     proof.time_interleaved(fns, "cpu", rounds=3)  # without: every round
-    assert calls == {"fast": 4, "slow": 4}
+    assert calls == {"fast": 5, "slow": 5}
     close = {"a": fn("fast", 0.005), "b": fn("slow", 0.006)}
     calls.update(fast=0, slow=0)
     proof.time_interleaved(close, "cpu", rounds=3, decisive=2.0)  # within 2x: all rounds
@@ -407,3 +407,19 @@ def test_every_path_proves_right_on_this_gpu(capsys):
     assert {"weight-only GEMM", "NVFP4 GEMM"} <= kinds, kinds
     if torch.cuda.get_device_capability() >= (8, 9):
         assert {"fp8 x fp8 per row", "fp8 x fp8 per tensor", "fp8 x fp8 block-wise"} <= kinds, kinds
+
+
+def test_one_call_slowed_by_something_else_does_not_decide():
+    """The plain path's first timed call is slowed tenfold once (another process, a page fault storm): it
+    still measures as what it is, faster than the candidate (the decisive stop waits for a second round)."""
+    from fp8_engram.quant.compute import proof
+
+    seen = {"plain": 0}
+
+    def plain():
+        seen["plain"] += 1
+        time.sleep(0.05 if seen["plain"] == 1 else 0.003)
+
+    got = proof.time_interleaved({"fast": lambda: time.sleep(0.008), "plain": plain}, "cpu", rounds=3, decisive=2.0)
+    assert got["plain"] < got["fast"], got
+    assert seen["plain"] >= 2, "stopped on the slowed call"
