@@ -49,17 +49,19 @@ logger = logging.getLogger("fp8_engram.quant.compute.linear")
 
 __all__ = ["Candidate", "Verdict", "WIN", "ROUNDS", "BUDGET_S", "M_CLASSES", "ROWS", "COLS", "configure",
            "cache_path", "forget", "reset", "describe", "key_for", "known", "decide", "stack", "verdicts", "summary_lines",
-           "shape_class", "SMALL_MACS", "too_small", "settle", "every_size", "TIME_ROWS"]
+           "shape_class", "SMALL_MACS", "too_small", "settle", "every_size", "TIME_ROWS", "SMALL_ROWS",
+           "extrapolate"]
 
 WIN = 0.97
 ROUNDS = 3
 BUDGET_S = 0.5
 DECISIVE = 2.0  # timing stops after a round in which one candidate took this many times another's time
-# On the CPU, a weight of more than twice this many output rows is timed on its first TIME_ROWS rows:
-# every candidate's cost there grows with the rows, so the ratio holds, and a 12288-row layer is timed
-# at a twelfth of its cost (a fixed per-call cost, as int8's activation quantizer, then weighs a little
-# more: the slice leans to the plain path, never away from it)
+# On the CPU, a weight of more than twice TIME_ROWS output rows is timed on its first SMALL_ROWS and
+# its first TIME_ROWS rows, and each candidate's time for the whole weight is the line through the two
+# (a part per call, as int8's activation quantizer, plus a part per row): a 12288-row layer is timed at
+# about a tenth of its cost, and a per-call part does not weigh more than it does on the whole layer.
 TIME_ROWS = 1024
+SMALL_ROWS = 128  # a multiple of every block height the layouts cut at (128 x 128 blocks)
 # (tokens up to, tokens timed at): the last class holds everything above 1024 tokens
 M_CLASSES = ((16, 16), (128, 128), (1024, 1024), (math.inf, 4096))
 ROWS, COLS = 64, 256
@@ -82,9 +84,12 @@ class Candidate:
     run: Callable[[], torch.Tensor]
     twin: Callable[[], torch.Tensor] | None = None
     reference: Callable[[], torch.Tensor] | None = None
-    # what the timing calls instead of run: the same product on the first TIME_ROWS rows of a large
-    # weight (every candidate of a key on the same slice); the plain path is then not run for its proof
-    timed: Callable[[], torch.Tensor] | None = None
+    # what the timing calls instead of run, for a large weight of ``rows`` output rows: {row count: the
+    # same product on the weight's first that many rows}, at SMALL_ROWS and TIME_ROWS (every candidate
+    # of a key on the same slices); the time of the whole is extrapolated from the two (``extrapolate``),
+    # and the plain path is then not run for its proof
+    timed: dict | None = None
+    rows: int = 0
     # a further check of the sampled output once it passed against its twin: the reason it fails, or None
     # (a library's kernel whose twin is the library's own eager code must also compute the pack's product)
     agrees: Callable[[torch.Tensor], str | None] | None = None
@@ -381,7 +386,7 @@ def decide(device, key: str, kind: str, candidates: dict, sample: Callable, *, f
     names = [forced] if forced is not None else list(candidates)
     for name in names:
         cand = candidates[name]
-        if cand.twin is None and cand.timed is not None and forced is None:
+        if cand.twin is None and cand.timed and forced is None:
             # the plain path is the reference math itself and always passes: timed on the slice only
             proofs[name] = proof.Proof(True, math.nan, math.nan, "the plain path")
             passed[name] = cand
@@ -402,12 +407,16 @@ def decide(device, key: str, kind: str, candidates: dict, sample: Callable, *, f
         why = "forced" if proofs[forced].ok else f"forced, refused: {proofs[forced].why}"
     else:
         if len(passed) > 1:
-            fns = {n: c.timed or c.run for n, c in passed.items()}
+            fns: dict = {}
+            for n, c in passed.items():
+                for r, fn in (c.timed or {0: c.run}).items():
+                    fns[(n, r)] = fn
             with torch.no_grad():
-                if any(c.timed is not None for c in passed.values()):
+                if any(c.timed for c in passed.values()):
                     for fn in fns.values():  # the slices' first calls (buffers, caches) are not timed
                         fn()
-                seconds = proof.time_interleaved(fns, device, ROUNDS, BUDGET_S, DECISIVE)
+                combine = lambda raw: _whole_times(passed, raw)  # noqa: E731
+                seconds = combine(proof.time_interleaved(fns, device, ROUNDS, BUDGET_S, DECISIVE, combine))
         chosen, why = _fastest(passed, seconds, fallback)
     v = Verdict(key=key, kind=kind, chosen=chosen, why=why, proofs={n: p.as_dict() for n, p in proofs.items()},
                 seconds={n: round(s, 7) for n, s in seconds.items()}, cost_s=setup_s + time.perf_counter() - started)
@@ -416,6 +425,27 @@ def decide(device, key: str, kind: str, candidates: dict, sample: Callable, *, f
         _write_stack(sid, facts)
     _log(device, v, proofs)
     return v
+
+
+def extrapolate(t_small: float, t_slice: float, small: int, slice_rows: int, rows: int) -> float:
+    """Seconds for ``rows`` rows on the line through (small, t_small) and (slice_rows, t_slice); where noise
+    made the small slice the slower, in proportion to the rows from the larger slice."""
+    if t_slice <= t_small:
+        return t_slice * rows / slice_rows
+    return t_small + (t_slice - t_small) * (rows - small) / (slice_rows - small)
+
+
+def _whole_times(passed: dict, raw: dict) -> dict:
+    """Each candidate's seconds for the whole product from ``raw`` ((name, rows) -> seconds; rows 0: the
+    whole product itself)."""
+    out = {}
+    for n, c in passed.items():
+        if not c.timed:
+            out[n] = raw[(n, 0)]
+            continue
+        small, big = sorted(c.timed)
+        out[n] = extrapolate(raw[(n, small)], raw[(n, big)], small, big, c.rows)
+    return out
 
 
 def settle(device, key: str, kind: str, chosen: str, why: str) -> Verdict:

@@ -457,16 +457,19 @@ def _decide(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt, key: str, 
     if forced is None:
         base = w8 if fast == "int8" else w
         cands["weight-only"] = cand.plain(lambda: _weight_only(xp, base, b, cdt), xp, wref, b, s)
-        part = _timing_slice(x.device, base, b)
-        if part is not None:  # a large CPU layer: every candidate timed on its first rows (choice.TIME_ROWS)
-            ws, bs = part
-            cands["weight-only"].timed = lambda: _weight_only(xp, ws, bs, cdt)
+        slices = _timing_slices(x.device, base, b)
+        if slices:  # a large CPU layer: every candidate timed on two of its first rows' slices (choice.TIME_ROWS)
+            def timed(call):
+                return {r: (lambda ws=ws, bs=bs: call(ws, bs)) for r, (ws, bs) in slices.items()}
+
+            calls = {"weight-only": lambda ws, bs: _weight_only(xp, ws, bs, cdt)}
             if fast == "int8":
-                cands["int8"].timed = lambda: int8.int8_linear(xp, ws, bs, cdt)
-                if KITCHEN_INT8 in cands:
-                    cands[KITCHEN_INT8].timed = lambda: kitchen.int8_linear(xp, ws, bs, cdt)
+                calls["int8"] = lambda ws, bs: int8.int8_linear(xp, ws, bs, cdt)
+                calls[KITCHEN_INT8] = lambda ws, bs: kitchen.int8_linear(xp, ws, bs, cdt)
             else:
-                cands["fp8"].timed = lambda: _fp8_product(xp, ws, cfg, cdt, bs)
+                calls["fp8"] = lambda ws, bs: _fp8_product(xp, ws, cfg, cdt, bs)
+            for name, c in cands.items():
+                c.timed, c.rows = timed(calls[name]), base.qdata.shape[0]
     return choice.decide(x.device, key, kind, cands, s, forced=forced, fallback="weight-only",
                          setup_s=time.perf_counter() - started)
 
@@ -487,18 +490,21 @@ def _kitchen_int8(x, w8: QuantizedTensor, bias, cdt):
         return _weight_only(x, w8, b, cdt)
 
 
-def _timing_slice(device, w: QuantizedTensor, bias):
-    """(weight, bias) of ``w``'s first ``choice.TIME_ROWS`` rows, where candidates are timed on the CPU
-    for a weight of more than twice that many rows; None to time the whole weight (CUDA, small weights,
-    layouts that cannot cut rows)."""
+def _timing_slices(device, w: QuantizedTensor, bias) -> dict:
+    """{rows: (weight, bias) of ``w``'s first rows} at ``choice.SMALL_ROWS`` and ``choice.TIME_ROWS``, where
+    candidates are timed on the CPU for a weight of more than twice TIME_ROWS rows; empty to time the
+    whole weight (CUDA, small weights, layouts that cannot cut rows there)."""
     n = w.qdata.shape[0]
     if device.type != "cpu" or w.transposed or w.qdata.dim() != 2 or n <= 2 * choice.TIME_ROWS:
-        return None
-    parts = w.layout.first_rows(w.qdata, w.scale, choice.TIME_ROWS)
-    if parts is None:
-        return None
-    ws = QuantizedTensor.from_parts(parts[0], parts[1], w.layout, orig_dtype=w.orig_dtype, config=w.config)
-    return ws, None if bias is None else bias[: choice.TIME_ROWS]
+        return {}
+    out = {}
+    for rows in (choice.SMALL_ROWS, choice.TIME_ROWS):
+        parts = w.layout.first_rows(w.qdata, w.scale, rows)
+        if parts is None:
+            return {}
+        ws = QuantizedTensor.from_parts(parts[0], parts[1], w.layout, orig_dtype=w.orig_dtype, config=w.config)
+        out[rows] = (ws, None if bias is None else bias[:rows])
+    return out
 
 
 _WEIGHT_ONLY = ComputeConfig(path="weight_only")

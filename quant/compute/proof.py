@@ -133,12 +133,13 @@ def _clock(device):
 
 
 def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None = None,
-                     decisive: float | None = None) -> dict:
+                     decisive: float | None = None, combine=None) -> dict:
     """Seconds per call of each of ``fns`` (name -> callable without arguments), timed in turn for
     ``rounds`` rounds: the lower median of each one's calls (of two, the faster: a call slowed once by
     something else running never decides). When ``budget_s`` is given, rounds stop early once it is
     spent, and with ``decisive`` after the second round once the slowest figure is that many times the
-    fastest (at least one round always runs)."""
+    fastest (at least one round always runs); ``combine`` maps the figures to those compared there
+    (several timed calls making one candidate's figure)."""
     timed = _clock(device)
     samples: dict = {name: [] for name in fns}
     spent = 0.0
@@ -154,7 +155,8 @@ def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None 
         if budget_s is not None and spent >= budget_s:
             break
         if decisive is not None and len(fns) > 1 and i >= 1:
-            figures = [figure(v) for v in samples.values()]
+            figures = {name: figure(v) for name, v in samples.items()}
+            figures = list((combine(figures) if combine is not None else figures).values())
             if min(figures) > 0 and max(figures) >= decisive * min(figures):
                 break
     return {name: figure(v) for name, v in samples.items()}

@@ -359,8 +359,9 @@ def test_timing_stops_once_one_candidate_is_decisively_faster():
 
 def test_a_large_layer_is_timed_on_its_first_rows(monkeypatch):
     """On the CPU, a weight of more than 2 x TIME_ROWS rows: the fast path's proof runs on the whole
-    weight, the timing of every candidate on its first TIME_ROWS rows, and the plain path (the reference
-    math itself) is never run whole while deciding; the call's own output is the whole product."""
+    weight, the timing of every candidate on its first SMALL_ROWS and TIME_ROWS rows, and the plain path
+    (the reference math itself) is never run whole while deciding; the call's own output is the whole
+    product."""
     calls = []
     _inject_int8(monkeypatch, "none")
     real_mm = qint8.int8_linear_mm
@@ -386,7 +387,8 @@ def test_a_large_layer_is_timed_on_its_first_rows(monkeypatch):
     deciding = calls[:-1]  # the last call is the product itself, on the chosen path
     assert ("int8", rows) in deciding, "the int8 kernel was not proven on the whole weight"
     assert ("weight-only", rows) not in deciding, "the plain path ran on the whole weight while deciding"
-    assert {("int8", choice.TIME_ROWS), ("weight-only", choice.TIME_ROWS)} <= set(deciding), deciding
+    assert {("int8", choice.TIME_ROWS), ("weight-only", choice.TIME_ROWS), ("int8", choice.SMALL_ROWS),
+            ("weight-only", choice.SMALL_ROWS)} <= set(deciding), deciding
     assert calls[-1][1] == rows and y.shape == (40, rows)
     assert v.proofs["weight-only"]["ok"] and v.proofs["weight-only"]["why"] == "the plain path"
 
@@ -423,3 +425,15 @@ def test_one_call_slowed_by_something_else_does_not_decide():
     got = proof.time_interleaved({"fast": lambda: time.sleep(0.008), "plain": plain}, "cpu", rounds=3, decisive=2.0)
     assert got["plain"] < got["fast"], got
     assert seen["plain"] >= 2, "stopped on the slowed call"
+
+
+def test_the_whole_layer_time_is_the_line_through_two_slices():
+    """A per-call part (an activation quantizer) and a per-row part: the line through the two slices'
+    times gives the whole layer's, where scaling the larger slice alone would count the per-call part
+    rows / TIME_ROWS times."""
+    per_call, per_row = 0.004, 1e-5
+    t = {r: per_call + per_row * r for r in (choice.SMALL_ROWS, choice.TIME_ROWS)}
+    whole = choice.extrapolate(t[choice.SMALL_ROWS], t[choice.TIME_ROWS], choice.SMALL_ROWS, choice.TIME_ROWS, 12288)
+    assert abs(whole - (per_call + per_row * 12288)) < 1e-9
+    # noise made the small slice the slower one: in proportion to the larger slice
+    assert choice.extrapolate(0.002, 0.001, 128, 1024, 4096) == 0.004
