@@ -14,10 +14,11 @@ must be 0.
 
 Models (random weights, made here with bench/e2e.py's makers):
   sd3    the tiny SD3 MMDiT the demo workflow uses (scripts/tiny_models.py's shape), 32x32 latent pixels
-  flux   Flux.1-dev's layer sizes (hidden 3072, mlp 12288, context 4096) at depth 1 double + 1 single
-         block, 128x128 pixels (64 image tokens) with 64 text tokens
+  flux   Flux.1-dev's layer sizes (hidden 3072, mlp 12288, context 4096) at --flux-depth double,single
+         blocks (default 1,1; bench/e2e.py's is 5,10), 128x128 pixels (64 image tokens), 64 text tokens.
+         Proving costs the same per shape class at any depth, so its share falls with the depth.
 
-    .venv/bin/python bench/first_use.py [--models sd3,flux] [--steps 20]
+    .venv/bin/python bench/first_use.py [--models sd3,flux] [--steps 20] [--flux-depth 5,10]
 
 Prints one line per run and, as the last line, one JSON object {"bench": "first_use", ...}.
 """
@@ -42,11 +43,12 @@ import e2e  # noqa: E402  (bench/e2e.py: ComfyUI in-process, model makers, the s
 logger = logging.getLogger("bench.first_use")
 
 
-def shape_of(model: str, steps: int) -> e2e.Shape:
+def shape_of(model: str, steps: int, flux_depth: tuple = (1, 1)) -> e2e.Shape:
     if model == "sd3":
         return e2e.Shape("sd3", double=2, single=0, image=32, text_tokens=16, steps=steps, vec_dim=2048, engram_repeats=0)
     if model == "flux":
-        return e2e.Shape("flux", double=1, single=1, image=128, text_tokens=64, steps=steps, vec_dim=768, engram_repeats=0)
+        return e2e.Shape("flux", double=flux_depth[0], single=flux_depth[1], image=128, text_tokens=64, steps=steps,
+                         vec_dim=768, engram_repeats=0)
     raise SystemExit(f"unknown model {model!r}: sd3 or flux")
 
 
@@ -56,7 +58,7 @@ def child(args) -> dict:
     from fp8_engram.quant.compute import choice
 
     choice.configure(args.cache)  # where the nodes keep it in ComfyUI's user folder; here the bench's own
-    shape = shape_of(args.child, args.steps)
+    shape = shape_of(args.child, args.steps, _depth(args))
     positive = e2e.conditioning(c, shape)
     inputs = c.defaults(c.pack_fp8.LoadFP8DiffusionModel)
     inputs.update(unet_name=args.file)
@@ -79,9 +81,14 @@ def child(args) -> dict:
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
-def run_child(model: str, file: str, models_dir: Path, cache: Path, steps: int) -> dict:
+def _depth(args) -> tuple:
+    double, single = (int(v) for v in args.flux_depth.split(","))
+    return double, single
+
+
+def run_child(model: str, file: str, models_dir: Path, cache: Path, steps: int, flux_depth: str) -> dict:
     cmd = [sys.executable, __file__, "--child", model, "--file", file, "--models-dir", str(models_dir),
-           "--cache", str(cache), "--steps", str(steps)]
+           "--cache", str(cache), "--steps", str(steps), "--flux-depth", flux_depth]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"the {model} run failed:\n{proc.stderr[-4000:]}")
@@ -92,6 +99,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="sd3,flux")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--flux-depth", default="1,1", help="double,single blocks of the Flux-shaped model (bench/e2e.py's "
+                    "GPU default is 5,10; proving costs the same per shape class at any depth)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--models-dir", default=None, help=argparse.SUPPRESS)
@@ -103,14 +112,15 @@ def main() -> None:
         return
     load_before = os.getloadavg()[0]
     results = {}
-    with tempfile.TemporaryDirectory(prefix="fp8_engram_first_use_", dir=e2e.scratch_dir(shape_of("flux", 1))) as tmp:
+    with tempfile.TemporaryDirectory(prefix="fp8_engram_first_use_", dir=e2e.scratch_dir(shape_of("flux", 1, _depth(args)))) as tmp:
         models_dir = Path(tmp) / "models"
         c = e2e.Comfy(tiny=True, models_dir=models_dir)
         for model in args.models.split(","):
-            shape = shape_of(model, args.steps)
+            shape = shape_of(model, args.steps, _depth(args))
             files = e2e.make_files(c, shape, models_dir, c.torch.device("cpu"))
             cache = Path(tmp) / f"fast_paths_{model}.json"
-            runs = {name: run_child(model, files["fp8"], models_dir, cache, args.steps) for name in ("first", "second")}
+            runs = {name: run_child(model, files["fp8"], models_dir, cache, args.steps, args.flux_depth)
+                    for name in ("first", "second")}
             first, second = runs["first"], runs["second"]
             row = {"params": files["params"], "runs": runs,
                    "proving_vs_run": round(first["proving_s"] / second["sample_s"], 4),
@@ -125,7 +135,7 @@ def main() -> None:
                   f"first/second sampling time {row['first_vs_second_sample']}; the second run proved {row['second_proves']}")
             for line in first["chosen"]:
                 print(f"{model:5s} chosen: {line}")
-    summary = {"bench": "first_use", "device": "cpu", "steps": args.steps, "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    summary = {"bench": "first_use", "device": "cpu", "steps": args.steps, "flux_depth": args.flux_depth, "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                "statistic": "one run each, fresh processes; proving_vs_run = first run's measured proving cost / second run's sampling time",
                "models": results}
     print(json.dumps(summary))

@@ -411,10 +411,7 @@ def decide(device, key: str, kind: str, candidates: dict, sample: Callable, *, f
             for n, c in passed.items():
                 for r, fn in (c.timed or {0: c.run}).items():
                     fns[(n, r)] = fn
-            with torch.no_grad():
-                if any(c.timed for c in passed.values()):
-                    for fn in fns.values():  # the slices' first calls (buffers, caches) are not timed
-                        fn()
+            with torch.no_grad():  # no warm-up call of the slices: a slow first call never decides (proof.py)
                 combine = lambda raw: _whole_times(passed, raw)  # noqa: E731
                 seconds = combine(proof.time_interleaved(fns, device, ROUNDS, BUDGET_S, DECISIVE, combine))
         chosen, why = _fastest(passed, seconds, fallback)
