@@ -204,10 +204,11 @@ def shape_class(m: int, n: int, k: int) -> tuple:
     raise AssertionError("unreachable")
 
 
-def too_small(m: int, n: int, k: int) -> bool:
-    """Whether an ``[m, k] x [k, n]`` product is too small to be worth proving (see the module docstring);
-    never inside ``every_size()``."""
-    return not _settings.get("every_size") and shape_class(m, n, k)[1] * n * k < SMALL_MACS
+def too_small(m: int, n: int, k: int, plain_extra_macs: int = 0) -> bool:
+    """Whether an ``[m, k] x [k, n]`` product is too small to be worth proving (see the module docstring):
+    its multiply-adds at its class's token count, plus ``plain_extra_macs`` that the plain path spends
+    beyond them (rotating an int8 weight back), under SMALL_MACS; never inside ``every_size()``."""
+    return not _settings.get("every_size") and shape_class(m, n, k)[1] * n * k + plain_extra_macs < SMALL_MACS
 
 
 @contextlib.contextmanager

@@ -418,7 +418,7 @@ def _route(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt) -> str:
         mode, layout_key, wdt = f"{cfg.path}/{_scaling_mode(w, cfg)}", w.layout.key, w.qdata.dtype
     key = choice.key_for(kind, mode, layout_key, m, out_f, in_f, x.dtype, wdt, cdt, bias is not None)
     v = choice.known(x.device, key)
-    if v is None and cfg.path == "auto" and choice.too_small(m, out_f, in_f):
+    if v is None and cfg.path == "auto" and choice.too_small(m, out_f, in_f, _plain_rotation_macs(w, m)):
         v = choice.settle(x.device, key, kind, "weight-only", f"too small to prove ({choice.SMALL_MACS >> 20} M "
                           "multiply-adds a call at most): the plain path")
     if v is None:
@@ -433,6 +433,17 @@ def _route(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt) -> str:
                      "runs weight-only, the next proves again (logged once)", kind, x.device)
             return "weight-only"
     return v.chosen
+
+
+def _plain_rotation_macs(w: QuantizedTensor, m: int) -> int:
+    """Multiply-adds the weight-only path spends rotating a rotated int8 weight back per call (0 where it
+    rotates the activation instead, see ``_weight_only``, or the weight is not rotated)."""
+    layout = w.layout
+    if not int8.is_int8(w) or not layout.rotation:
+        return 0
+    if not layout.regular and not layout.cast_first and m < w.qdata.shape[0]:
+        return 0
+    return w.qdata.shape[0] * w.qdata.shape[1] * layout.rotation
 
 
 def _decide(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt, key: str, kind: str, fast: str):

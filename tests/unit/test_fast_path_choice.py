@@ -21,6 +21,7 @@ import torch
 
 from fp8_engram.quant import ComputeConfig, PerRow, QuantizedTensor, linear
 from fp8_engram.quant.compute import choice, int8 as qint8, proof
+from fp8_engram.quant.layouts import Int8
 
 sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
 lin = importlib.import_module("fp8_engram.quant.compute.linear")
@@ -332,6 +333,13 @@ def test_a_product_too_small_to_pay_for_proving_takes_the_plain_path(monkeypatch
     choice.reset()
     with choice.every_size():
         linear(x, w8, None, AUTO)
+    assert _verdict("int8").source == "measured"
+    # a ComfyUI ConvRot weight of the same size: its plain path rotates the whole weight back per call
+    # (256 x 256 x 256 multiply-adds more than the product), so it is proven and timed after all
+    choice.reset()
+    convrot = QuantizedTensor.from_float(torch.randn(256, 256) * 0.05, Int8(False, 256, True), fp8_dtype=torch.int8)
+    assert choice.too_small(40, 256, 256)  # by its product alone it would be
+    linear(x, convrot, None, AUTO)
     assert _verdict("int8").source == "measured"
 
 
