@@ -329,7 +329,7 @@ def test_ranks_unmap_their_peers_before_owners_free(fake_driver, tmp_path):
 
 BUFFER_SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from datetime import timedelta
     sys.path.insert(0, PKG)
     import torch
@@ -345,8 +345,8 @@ BUFFER_SCRIPT = textwrap.dedent(
     try:
         buffer = LocalEngramBuffer(group, [8, 4], 64, 16, 2, torch.bfloat16, device="cpu", allocator=ipc, gather="fixed_shape")
     except allocators.ShardSharingError as e:
-        print(json.dumps({"rank": rank, "error": str(e), "live": cuda_ipc._load().fake_live()}))
-        sys.exit(0)
+        print(json.dumps({"rank": rank, "error": str(e), "live": cuda_ipc._load().fake_live()}), flush=True)
+        os._exit(0)  # not through the gloo group's teardown at exit, which aborts while a peer leaves
     memory = buffer._memory
     probes = [int(p[:PROBE_BYTES].count_nonzero() + p[buffer.num_bytes - PROBE_BYTES:buffer.num_bytes].count_nonzero()) for p in memory.peers]
     rows = torch.full((8, 64), float(rank + 1), dtype=torch.bfloat16)
@@ -354,7 +354,8 @@ BUFFER_SCRIPT = textwrap.dedent(
     ids = torch.tensor([[[0, 8]], [[0, 4]]], dtype=torch.int32)  # row 0 of rank 0 and of rank 1, both layers
     seen = [hook()[0, ::64].tolist() for hook in buffer.fetch(ids)]
     buffer.destroy()
-    print(json.dumps({"rank": rank, "probes": probes, "seen": seen, "live": cuda_ipc._load().fake_live()}))
+    print(json.dumps({"rank": rank, "probes": probes, "seen": seen, "live": cuda_ipc._load().fake_live()}), flush=True)
+    os._exit(0)
     """
 )
 
