@@ -241,11 +241,9 @@ def _weight_only(x, w: QuantizedTensor, bias, cdt):
                 log_once(logger, ("wo_failed", key), logging.WARNING,
                          "weight-only FP8 GEMM failed on %s (%s: %s); these layers dequantize and use cuBLAS from now "
                          "on (logged once)", x.device, type(exc).__name__, _first_line(exc))
-    layout = w.layout
-    if (int8.is_int8(w) and layout.rotation and not layout.regular and not layout.cast_first and not w.transposed
-            and x.numel() // x.shape[-1] < w.qdata.shape[0] and not _traced("weight-only", x.device)):
+    if _rotates_activation(w, x.numel() // x.shape[-1]) and not w.transposed and not _traced("weight-only", x.device):
         # the pack's own rotated int8 (converted at load): rotate the fewer rows, the activation's
-        xr = rotate(x, layout.rotation).to(cdt)
+        xr = rotate(x, w.layout.rotation).to(cdt)
         return F.linear(xr, _dequantized_weight(x, w, bias, cdt, stored=True), bias)
     return F.linear(x, _dequantized_weight(x, w, bias, cdt), bias)
 
@@ -435,15 +433,20 @@ def _route(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt) -> str:
     return v.chosen
 
 
+def _rotates_activation(w: QuantizedTensor, m: int) -> bool:
+    """Whether weight-only multiplies an ``m``-row activation, rotated, by this int8 weight as stored: the
+    pack's own rotation (not ComfyUI's, whose dequantization stays as ComfyUI's) and fewer rows than W."""
+    layout = w.layout
+    return (int8.is_int8(w) and bool(layout.rotation) and not layout.regular and not layout.cast_first
+            and m < w.qdata.shape[0])
+
+
 def _plain_rotation_macs(w: QuantizedTensor, m: int) -> int:
     """Multiply-adds the weight-only path spends rotating a rotated int8 weight back per call (0 where it
-    rotates the activation instead, see ``_weight_only``, or the weight is not rotated)."""
-    layout = w.layout
-    if not int8.is_int8(w) or not layout.rotation:
+    rotates the activation instead, or the weight is not rotated)."""
+    if not int8.is_int8(w) or not w.layout.rotation or _rotates_activation(w, m):
         return 0
-    if not layout.regular and not layout.cast_first and m < w.qdata.shape[0]:
-        return 0
-    return w.qdata.shape[0] * w.qdata.shape[1] * layout.rotation
+    return w.qdata.shape[0] * w.qdata.shape[1] * w.layout.rotation
 
 
 def _decide(x, w: QuantizedTensor, w8, bias, cfg: ComputeConfig, cdt, key: str, kind: str, fast: str):
