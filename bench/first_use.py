@@ -1,4 +1,4 @@
-"""First-use cost of proving the fast paths (quant/compute/choice.py), on the CPU, through ComfyUI in-process.
+"""First-use cost of proving the fast paths (quant/compute/prove.py), on the CPU, through ComfyUI in-process.
 
 For each model, the pack's Load FP8 Diffusion Model (node defaults: compute path auto, fast paths
 "proven on this device") loads the FP8 file and ComfyUI's KSampler runs 20 steps (euler, cfg 1), each
@@ -55,9 +55,9 @@ def shape_of(model: str, steps: int, flux_depth: tuple = (1, 1)) -> e2e.Shape:
 def child(args) -> dict:
     """One run in this process: load with the pack's loader, sample, report the choice's figures."""
     c = e2e.Comfy(tiny=True, models_dir=Path(args.models_dir))
-    from fp8_engram.quant.compute import choice
-
-    choice.configure(args.cache)  # where the nodes keep it in ComfyUI's user folder; here the bench's own
+    # the loaders keep their verdict book in ComfyUI's user folder; here the bench's own file
+    c.pack_fp8._verdict_file = lambda: str(args.cache)
+    book = c.pack_fp8.verdict_book()
     shape = shape_of(args.child, args.steps, _depth(args))
     positive = e2e.conditioning(c, shape)
     inputs = c.defaults(c.pack_fp8.LoadFP8DiffusionModel)
@@ -70,14 +70,14 @@ def child(args) -> dict:
     e2e.sample(c, model, shape, positive, clock)
     sample_s = time.perf_counter() - t1
     later = clock.later_steps_s()
-    verdicts = choice.verdicts(c.device)
+    verdicts = book.verdicts(c.device)
     measured = [v for v in verdicts if v.source == "measured"]
     ruled = [v for v in verdicts if v.source == "rule"]  # too small to prove: the plain path, by rule
     return {"load_s": round(load_s, 3), "sample_s": round(sample_s, 3), "first_step_s": round(clock.first_done - t1, 3),
             "later_step_s": round(statistics.median(later), 4) if later else None,
             "measured": len(measured), "by_rule": len(ruled), "from_cache": len(verdicts) - len(measured) - len(ruled),
             "proving_s": round(sum(v.cost_s for v in measured), 4),
-            "chosen": choice.summary_lines(c.device),
+            "chosen": book.summary_lines(c.device),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 

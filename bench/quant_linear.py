@@ -3,7 +3,7 @@
 CPU (default without a GPU): a square 4096 case and Flux-like MLP shapes; bf16 F.linear vs our
 weight-only path, vs what the loaders give a user here ("ours auto (chosen)": the weight converted to
 int8 at load where int8_supported says so, then per token class the path proven and measured fastest,
-see quant/compute/choice.py; its first call, which proves, is the warm-up), and vs ComfyUI 0.3.75's own
+see quant/compute/prove.py; its first call, which proves, is the warm-up), and vs ComfyUI 0.3.75's own
 QuantizedTensor linear on the same FP8 weights, when a ComfyUI tree is present. Statistic: best of N interleaved rounds (wall clock); printed as the
 time ratio (variant / bf16, lower is better) and the speedup (bf16 / variant, higher is better).
 
@@ -44,7 +44,7 @@ COMFYUI = Path(os.environ.get("COMFYUI_PATH", ROOT / ".host" / "comfyui"))
 sys.path.insert(0, str(PKG))
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor  # noqa: E402
-from fp8_engram.quant.compute import choice  # noqa: E402
+from fp8_engram.quant.compute import default_book  # noqa: E402
 from fp8_engram.quant.compute.int8 import int8_supported, to_int8  # noqa: E402
 from fp8_engram.quant.quantize_model import sqnr_db  # noqa: E402
 
@@ -214,7 +214,7 @@ def main() -> None:
                "comfyui": quant_ops is not None, "fp8_units": fp8_units,
                "statistic": "ratio of best-of-N times (interleaved); speedup = bf16 / variant",
                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-               "cases": results, "chosen": choice.summary_lines(torch.device(device)) if device == "cpu" else None}
+               "cases": results, "chosen": default_book().summary_lines(torch.device(device)) if device == "cpu" else None}
     print("ratios: ours/bf16 " + ", ".join(f"{r['shape']}@{r['tokens']}={r['ours_vs_bf16']}" for r in results))
     if quant_ops is not None:
         print("ratios: ours/comfyui " + ", ".join(

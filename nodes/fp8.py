@@ -23,6 +23,7 @@ Loading goes through ComfyUI's own model construction with a fresh FP8 operation
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io as _pyio
 import logging
@@ -37,7 +38,7 @@ import torch
 from comfy_api.latest import io
 
 from ..quant import ComputeConfig, QuantizedTensor, formats, save
-from ..quant.compute import choice
+from ..quant.compute import Book, book_for_file, default_book
 from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, quantize_module
 from . import CATEGORY, NODE_ID_PREFIX
 from .ops import make_fp8_ops, release_workspace_on_unload
@@ -63,7 +64,11 @@ def _verdict_file() -> str | None:
     return os.path.join(user(), "fp8_engram", "fast_paths.json") if user is not None else None
 
 
-choice.configure(_verdict_file())
+def verdict_book() -> Book:
+    """The book of fast-path verdicts the loaders hand their weights: the one of ComfyUI's user folder
+    (made at the first load, not at import), in memory where the folder is unknown."""
+    path = _verdict_file()
+    return book_for_file(path) if path is not None else default_book()
 
 
 def _options():
@@ -97,11 +102,11 @@ def _config(compute_path, activation_scaling, compute_dtype, fast_paths=FAST_PAT
     if fast_paths not in FAST_PATHS:
         raise ValueError(f"fast_paths must be one of {list(FAST_PATHS)}, got {fast_paths!r}")
     if fast_paths == "prove again":
-        choice.forget(comfy.model_management.get_torch_device())
+        verdict_book().forget(comfy.model_management.get_torch_device())
     return ComputeConfig(path=COMPUTE_PATHS[compute_path], activation_scaling=ACT_SCALING[activation_scaling],
                          compute_dtype=COMPUTE_DTYPES[compute_dtype],
                          int8_rotation=compute_path != "int8 without rotation",
-                         trust_fast_paths=fast_paths == "trust without proving")
+                         trust_fast_paths=fast_paths == "trust without proving", book=verdict_book())
 
 
 def _path_label(cfg: ComputeConfig, ops=None) -> str:
@@ -145,7 +150,7 @@ def _read(folder: str, name: str, cfg: ComputeConfig):
         raise ValueError(f"{folder}/{name}: {exc}") from exc
     # Layers the file marks "full precision matmul" run weight-only unless the user forces fp8.
     if cfg.path == "auto":
-        wo = ComputeConfig("weight_only", cfg.activation_scaling, cfg.compute_dtype)
+        wo = dataclasses.replace(cfg, path="weight_only")
         for info in report.layers:
             if info.full_precision_mm and isinstance(sd.get(info.weight_key), QuantizedTensor):
                 sd[info.weight_key] = sd[info.weight_key].with_config(wo)
@@ -187,7 +192,7 @@ def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict
     s["compute_path"] = _path_label(cfg, ops)
     # what the fast-path proofs chose on this device so far (the load's own int8 measurement included;
     # products first run by the sampler are proven then, logged, and listed by the next load)
-    s["fast_paths"] = choice.summary_lines(comfy.model_management.get_torch_device())
+    s["fast_paths"] = (cfg.book or verdict_book()).summary_lines(comfy.model_management.get_torch_device())
     layers = getattr(ops, "int8_layers", None)
     if layers:
         # per-layer SQNR of the int8 conversion against the file's weights

@@ -60,8 +60,8 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
     # the int8 path converts FP8 weights once, here, for the device the model will run on
     # "auto" converts where the device has fast INT8 and no FP8 units (int8_supported). Each converted layer
     # then runs int8 or weight-only per token class, whichever was proven and measured faster there
-    # (compute/choice.py). Deciding the conversion itself by one load-time measurement
-    # (quant.compute.linear.int8_conversion_wins) picks wrong: on a VNNI CPU int8 wins below ~16-256 tokens
+    # (compute/prove.py). Deciding the conversion itself by one load-time measurement
+    # (measured at 1024 tokens) picked wrong: on a VNNI CPU int8 wins below ~16-256 tokens
     # and loses at 1024, and a load cannot know the token count the model will run at.
     to_int8 = cfg.path == "int8" or (cfg.path == "auto" and
                                      quant_int8.int8_supported(comfy.model_management.get_torch_device()))

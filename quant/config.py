@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,8 +40,11 @@ class ComputeConfig:
         a multiple of 128 (spreads activation outliers before the per-token rounding); False = none
     trust_fast_paths:
         False (the default): every fast path is proven by value on this device, and timed against the
-        plain path, the first time a kind of product meets it (``compute/choice.py``); True: take the
+        plain path, the first time a kind of product meets it (``compute/prove.py``); True: take the
         fast paths by the device's capability alone, without proving them
+    book:
+        where the verdicts of those proofs are kept (a ``compute.book.Book``: the loaders pass the one of
+        ComfyUI's user folder); None = this process's in-memory book. Not part of equality or repr.
     """
 
     path: str = "auto"
@@ -49,8 +52,11 @@ class ComputeConfig:
     compute_dtype: torch.dtype | None = None
     int8_rotation: bool = True
     trust_fast_paths: bool = False
+    book: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.book is not None and not callable(getattr(self.book, "verdict", None)):
+            raise QuantizationError(f"ComputeConfig.book must be a compute.book.Book or None, got {self.book!r}")
         if self.path not in PATHS:
             raise QuantizationError(f"ComputeConfig.path must be one of {PATHS}, got {self.path!r}")
         if self.activation_scaling not in ACTIVATION_SCALINGS:

@@ -10,7 +10,8 @@ import threading
 
 import torch
 
-__all__ = ["workspace", "release_workspace", "tracing", "log_once", "reset_log_once"]
+__all__ = ["workspace", "release_workspace", "tracing", "log_once", "reset_log_once", "device_key", "first_line",
+           "is_oom"]
 
 # Per-thread reusable CPU buffers for temporaries that never outlive one call (the gather indices,
 # and the weight-only path's dequantized weight). Large fresh allocations are handed out by the
@@ -72,3 +73,24 @@ def reset_log_once() -> None:
     """Forget which messages were logged (tests use it to observe the once-only log)."""
     with _log_lock:
         _logged.clear()
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, at most 160 characters (for one-line logs)."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else ""
+
+
+def device_key(device) -> tuple:
+    """(type, index) naming one device exactly (a bare "cuda" is the current GPU)."""
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return device.type, index
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error (never remembered as a failure of a kernel)."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()

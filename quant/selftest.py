@@ -7,7 +7,7 @@ For each model's linear shapes, token count and weight layout (FP8 per row, per 
 int8 per channel, and per tensor with ComfyUI's ConvRot, where comfy-kitchen's int8 is a candidate too
 when it is installed; NVFP4 on CUDA), the product runs once through ``linear`` under "auto" (and, on the CPU, forced fp8 and
 int8 too), so every candidate path is proven against its twin and timed against the plain path exactly
-as a model's first use would (``compute/choice.py``); the table lists each verdict with its figures.
+as a model's first use would (``compute/prove.py``); the table lists each verdict with its figures.
 This is the one thing to attach to a bug report about speed or wrong images. Without ``--cache`` nothing
 is read or written: every path is proven anew. Never imports ComfyUI.
 """
@@ -22,8 +22,9 @@ import time
 
 import torch
 
-from .compute import choice, int8 as int8_path
-from .compute.linear import int8_conversion_wins, linear
+from .compute import int8 as int8_path
+from .compute.book import Book, Verdict, describe, stack_facts
+from .compute.linear import linear
 from .config import ComputeConfig
 from .layouts import NVFP4, Block, Int8, PerRow, PerTensor
 from .tensor import QuantizedTensor
@@ -56,17 +57,18 @@ def _weights(n: int, k: int, device) -> dict:
                                              orig_dtype=torch.bfloat16) for name, q in out.items()}
 
 
-def run(device, models, tokens) -> dict:
-    """Prove every path on ``models``' shapes at ``tokens``; returns the report (stack, verdicts, seconds)."""
+def run(device, models, tokens, cache=None) -> dict:
+    """Prove every path on ``models``' shapes at ``tokens`` (products of every size; verdicts read from and
+    added to the file ``cache`` where given); returns the report (stack, verdicts, seconds)."""
     device = torch.device(device)
     started = time.perf_counter()
-    configs = [ComputeConfig()]  # "auto"
+    book = Book(cache, every_size=True)
+    configs = [ComputeConfig(book=book)]  # "auto"
     if device.type == "cpu":  # the forced paths, which "auto" does not try on a CPU
-        configs += [ComputeConfig(path="fp8"), ComputeConfig(path="int8")]
+        configs += [ComputeConfig(path="fp8", book=book), ComputeConfig(path="int8", book=book)]
     for model in models:
         for n, k in SHAPES[model]:
             weights = _weights(n, k, device)
-            int8_conversion_wins(weights["fp8 per row"], device)
             for m in tokens:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device=device,
                                                                                     dtype=torch.bfloat16)
@@ -74,11 +76,11 @@ def run(device, models, tokens) -> dict:
                     for name, w in weights.items():
                         if cfg.path != "auto" and name != "fp8 per row":
                             continue  # a forced path on one FP8 layout is enough
-                        with torch.no_grad(), choice.every_size():
+                        with torch.no_grad():
                             linear(x, w, None, cfg)
-    found = choice.verdicts(device)
-    return {"stack": choice.stack(device), "seconds": round(time.perf_counter() - started, 2),
-            "verdicts": [dict(key=v.key, **v.as_dict()) for v in found]}
+    found = book.verdicts(device)
+    return {"stack": stack_facts(device)[1], "seconds": round(time.perf_counter() - started, 2),
+            "verdicts": [dict(key=v.key.as_json(), **v.as_dict()) for v in found]}
 
 
 def table(report: dict) -> str:
@@ -86,11 +88,11 @@ def table(report: dict) -> str:
              f"torch {report['stack'].get('torch')}, triton {report['stack'].get('triton')})"]
     lines.append(f"{'kind':<22}{'asked':<20}{'shape class':<48}{'chosen':<13}why")
     for v in report["verdicts"]:
-        parts = v["key"].split("|")
-        shape = " ".join(parts[3:6]) + " " + parts[6]
-        asked = parts[1]
-        fake = choice.Verdict(key=v["key"], kind=v["kind"], chosen=v["chosen"], why=v["why"], proofs=v["proofs"])
-        lines.append(f"{v['kind']:<22}{asked:<20}{shape:<48}{v['chosen']:<13}{choice.describe(fake)}")
+        key = v["key"]
+        shape = (f"m class {key['m_class']} n<={key['n_class']} k<={key['k_class']} "
+                 f"{key['x_dtype']}>{key['out_dtype']}")
+        told = describe(Verdict(key=None, chosen=v["chosen"], why=v["why"], proofs=v["proofs"]))
+        lines.append(f"{v['kind']:<22}{key['mode']:<20}{shape:<48}{v['chosen']:<13}{told}")
     lines.append(f"{len(report['verdicts'])} verdicts in {report['seconds']} s")
     return "\n".join(lines)
 
@@ -120,8 +122,7 @@ def main(argv=None) -> int:
             device.type, DEFAULT_TOKENS["cuda"])
     except ValueError:
         ap.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
-    choice.configure(args.cache)
-    report = run(device, models, tokens)
+    report = run(device, models, tokens, args.cache)
     _say(json.dumps(report, indent=1) if args.json else table(report))
     return 0
 

@@ -233,7 +233,7 @@ class QuantizedTensor(torch.Tensor):
         class's dispatch traced to, which the traced model's own graph does not show, so a changed
         pack (an update, a new rounding rule) must not reuse a graph compiled by the old one."""
         parts = [_code_fingerprint(), tuple(self.shape), repr(self._qlayout), str(self.orig_dtype),
-                 repr(self.config), self.transposed]
+                 repr(self.config), self.transposed, routing_state(self.config)]
         for name in _TENSOR_FIELDS:
             t = getattr(self, name)
             parts.append(None if t is None else
@@ -327,6 +327,15 @@ class QuantizedTensor(torch.Tensor):
         if handler is not None:
             return handler(func, args, kwargs)
         return dequantize_fallback(func, args, kwargs)
+
+
+def _no_routing_state(config) -> str:
+    return ""
+
+
+# What a compiled graph of this weight's linears was routed by (the fast-path verdicts of its config's book):
+# the compute floor, above this one, installs the function at import (``compute/__init__.py``).
+routing_state = _no_routing_state
 
 
 def _rebuild_quantized_tensor(qdata, scale, input_scale, layout, orig_dtype, config, transposed):

@@ -64,7 +64,7 @@ def int8_fast(device) -> bool:
 def int8_available(device) -> bool:
     """Does an int8 GEMM of the pack run on the device at all (``torch._int_mm`` on the CPU, the Triton
     GEMM from CUDA capability 8.0)? Where it does, "auto" proves and times it against weight-only
-    (``compute/choice.py``) instead of trusting ``int8_fast``."""
+    (``compute/prove.py``) instead of trusting ``int8_fast``."""
     device = torch.device(device)
     if device.type == "cpu":
         return hasattr(torch, "_int_mm")

@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-__all__ = ["MARGIN_DB", "CEILING_DB", "Proof", "sqnr_db", "judge", "seeded_activation", "sample_index",
-           "time_interleaved", "reference_dtype"]
+__all__ = ["MARGIN_DB", "CEILING_DB", "Proof", "sqnr_db", "judge", "seeded_activation", "checked_index", "Sample",
+           "time_interleaved", "reference_dtype", "ALL_ROWS", "ALL_COLS", "Candidate"]
 
 MARGIN_DB = 3.0
 CEILING_DB = 60.0
@@ -45,6 +46,23 @@ class Proof:
     def as_dict(self) -> dict:
         return {"ok": self.ok, "sqnr_db": _finite_or_text(self.sqnr_db), "twin_db": _finite_or_text(self.twin_db),
                 "why": self.why}
+
+
+@dataclass
+class Candidate:
+    """One way to compute a kind of product, ready to prove: ``run()`` gives the full ``[M, N]`` output on
+    the proof's activation; ``twin()`` the eager twin's output and ``reference()`` the reference's, both on
+    the sampled rows and columns (``twin`` None for the plain path, the reference math itself, judged by
+    its SQNR only and always passing). ``agrees(sampled output)``: a further check once it passed against
+    its twin (the reason it fails, or None). ``timed``: what timing calls instead of ``run`` for a large
+    weight of ``rows`` output rows, {row count: the same product on the weight's first rows}."""
+
+    run: Callable[[], torch.Tensor]
+    twin: Callable[[], torch.Tensor] | None = None
+    reference: Callable[[], torch.Tensor] | None = None
+    agrees: Callable[[torch.Tensor], str | None] | None = None
+    timed: dict | None = None
+    rows: int = 0
 
 
 def _finite_or_text(v: float):
@@ -105,11 +123,33 @@ def seeded_activation(m: int, k: int, dtype: torch.dtype, device, seed: int = 0)
     return x.to(device=device, dtype=dtype)
 
 
-def sample_index(n: int, limit: int, device) -> torch.Tensor:
-    """At most ``limit`` indices spread evenly over ``range(n)``, first and last included."""
-    if n <= limit:
+# Which outputs a proof compares: every row up to ALL_ROWS (a wrong row anywhere is seen), else the first
+# and last EDGE_ROWS (the tiles at both ends: the tail is where masking goes wrong) and RANDOM_ROWS seeded
+# rows between; every column up to ALL_COLS, else EDGE_COLS at both ends and RANDOM_COLS between.
+ALL_ROWS, EDGE_ROWS, RANDOM_ROWS = 256, 32, 64
+ALL_COLS, EDGE_COLS, RANDOM_COLS = 512, 64, 128
+
+
+def checked_index(n: int, every: int, edge: int, spread: int, device, seed: int = 0) -> torch.Tensor:
+    """Indices into ``range(n)`` a proof compares: all of them up to ``every``, else the first and last
+    ``edge`` and ``spread`` seeded ones between, sorted."""
+    if n <= every:
         return torch.arange(n, device=device)
-    return torch.linspace(0, n - 1, limit, device=device).round().long().unique()
+    g = torch.Generator().manual_seed(seed * 7919 + n)
+    middle = torch.randperm(n - 2 * edge, generator=g)[:spread] + edge
+    idx = torch.cat([torch.arange(edge), middle, torch.arange(n - edge, n)]).sort().values
+    return idx.to(device)
+
+
+class Sample:
+    """The rows and columns of an ``[m, n]`` output that a proof compares (``checked_index``)."""
+
+    def __init__(self, m: int, n: int, device, seed: int = 0):
+        self.rows = checked_index(m, ALL_ROWS, EDGE_ROWS, RANDOM_ROWS, device, seed)
+        self.cols = checked_index(n, ALL_COLS, EDGE_COLS, RANDOM_COLS, device, seed + 1)
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        return out.index_select(0, self.rows).index_select(1, self.cols)
 
 
 def _clock(device):
@@ -132,6 +172,9 @@ def _clock(device):
     return timed_cpu
 
 
+clock_for = _clock  # tests put a fake clock here: no test times real work
+
+
 def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None = None,
                      decisive: float | None = None, combine=None) -> dict:
     """Seconds per call of each of ``fns`` (name -> callable without arguments), timed in turn for
@@ -140,7 +183,7 @@ def time_interleaved(fns: dict, device, rounds: int = 3, budget_s: float | None 
     spent, and with ``decisive`` after the second round once the slowest figure is that many times the
     fastest (at least one round always runs); ``combine`` maps the figures to those compared there
     (several timed calls making one candidate's figure)."""
-    timed = _clock(device)
+    timed = clock_for(device)
     samples: dict = {name: [] for name in fns}
     spent = 0.0
 

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.ops import define
-from ..runtime import log_once
-from .failures import device_key as _device_key, first_line as _first_line, is_oom as _is_oom
+from ..runtime import device_key as _device_key, first_line as _first_line, is_oom as _is_oom, log_once
 
 logger = logging.getLogger("fp8_engram.quant.compute.linear")
 

@@ -14,7 +14,7 @@ and fuses.
     quantize_tensor(x, scale?, fp8_dtype) -> (q [M, K], scale [] float32)
     quantize_groups(x, fp8_dtype) -> (q [M, K], scale [M, ceil(K/128)] float32, strides (1, M))
     dequantize(q, scale, block?, dtype, per_tensor) -> [N, K] (q's shape) in dtype
-    weight_only_linear(x, q, scale, block, per_tensor, bias?) -> [M, N] in x's dtype
+    weight_only_linear(x, q, scale, block, per_tensor, bias?, method) -> [M, N] in x's dtype
 
 The scaled matmul's op (``compute/scaled_mm.py``) is registered with :func:`define` as well.
 
@@ -69,8 +69,8 @@ def _dequantize_impl(q, scale, block, dtype, per_tensor):
     return kernels.dequantize(q, scale, None if block is None else tuple(block), dtype, per_tensor)
 
 
-def _weight_only_linear_impl(x, q, scale, block, per_tensor, bias):
-    return kernels.weight_only_linear(x, q, scale, tuple(block), per_tensor, bias)
+def _weight_only_linear_impl(x, q, scale, block, per_tensor, bias, method):
+    return kernels.weight_only_linear(x, q, scale, tuple(block), per_tensor, bias, method)
 
 
 # -- fake implementations: shapes, dtypes and strides only ------------------------------------------
@@ -97,7 +97,7 @@ def _dequantize_fake(q, scale, block, dtype, per_tensor):
     return q.new_empty(q.shape, dtype=dtype)
 
 
-def _weight_only_linear_fake(x, q, scale, block, per_tensor, bias):
+def _weight_only_linear_fake(x, q, scale, block, per_tensor, bias, method):
     return x.new_empty((x.shape[0], q.shape[0]))
 
 
@@ -116,7 +116,7 @@ _dequantize = define(
     _dequantize_impl, _dequantize_fake)
 _weight_only_linear = define(
     "weight_only_linear",
-    "(Tensor x, Tensor q, Tensor scale, int[] block, bool per_tensor, Tensor? bias) -> Tensor",
+    "(Tensor x, Tensor q, Tensor scale, int[] block, bool per_tensor, Tensor? bias, str method) -> Tensor",
     _weight_only_linear_impl, _weight_only_linear_fake)
 # -- the entry points for compiled code (same names and arguments as ``kernels``') -----------------
 
@@ -147,8 +147,8 @@ def dequantize(q, scale, block, dtype, per_tensor: bool, out=None):
 
 
 def weight_only_linear(x2d, q, scale, block, per_tensor: bool, bias, method: str = "auto"):
-    if x2d.is_cuda and method == "auto":
-        return _weight_only_linear(x2d, q, scale, list(block), per_tensor, bias)
+    if x2d.is_cuda:
+        return _weight_only_linear(x2d, q, scale, list(block), per_tensor, bias, method)
     return kernels.weight_only_linear(x2d, q, scale, block, per_tensor, bias, method)
 
 

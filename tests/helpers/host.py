@@ -14,6 +14,14 @@ from pathlib import Path
 import pytest
 
 
+def missing_prerequisite(message: str):
+    """Skip a test whose prerequisite (a pinned package, root, a mount namespace) this machine lacks; under CI
+    (CI set), fail instead: CI's machine has them all, so a missing one is a broken setup a skip would hide."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (CI is set: this prerequisite should be here)")
+    pytest.skip(message)
+
+
 def missing_tree(message: str):
     """Skip a test that needs a ComfyUI tree where none is set up; under CI (CI set), fail instead: there
     the setup makes every tree, so a missing one is a broken setup that a skip would turn green."""

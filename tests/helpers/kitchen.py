@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.host import missing_prerequisite
+
 ROOT = Path(__file__).resolve().parents[2]
 KITCHEN_HOME = ROOT / ".host" / "kitchen"
 
@@ -71,7 +73,7 @@ def kitchen_dir(version: str) -> Path:
                 capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-                pytest.skip(f"comfy-kitchen {version} could not be installed with pip "
+                missing_prerequisite(f"comfy-kitchen {version} could not be installed with pip "
                             f"({lines[-1] if lines else f'exit {done.returncode}'})")
             try:
                 partial.rename(folder)  # whole or absent: another test run may have finished first
@@ -83,7 +85,7 @@ def kitchen_dir(version: str) -> Path:
     probe = run_kitchen(folder, "import comfy_kitchen.backends.eager.w4a8_int8", check=False)
     if probe.returncode != 0:
         lines = [line for line in probe.stderr.splitlines() if line.strip()]
-        pytest.skip(f"comfy-kitchen {version} is installed in {folder} but does not import here "
+        missing_prerequisite(f"comfy-kitchen {version} is installed in {folder} but does not import here "
                     f"({lines[-1] if lines else f'exit {probe.returncode}'})")
     return folder
 

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.host import missing_prerequisite
 import torch
 
 from fp8_engram.engram import table_file
@@ -47,12 +48,12 @@ def listing(folder: Path) -> list[str]:
 def tmpfs(path: Path, size: str):
     """A tmpfs of `size` mounted at `path` for the block (the real full disk)."""
     if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs (a real full disk)")
+        missing_prerequisite("needs root to mount a small tmpfs (a real full disk)")
     path.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0777", "tmpfs", str(path)],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
+        missing_prerequisite(f"cannot mount a tmpfs here ({done.stderr.strip()})")
     try:
         yield path
     finally:

@@ -218,10 +218,10 @@ def _op_cases(every=True):
         bias = torch.randn(256, generator=g).to(torch.bfloat16)
         wo_block = block if block is not None else list(qt.qdata.shape)
         cases.append((ops.weight_only_linear.default,
-                      (x, qt.qdata, qt.scale, wo_block, per_tensor, bias)))
+                      (x, qt.qdata, qt.scale, wo_block, per_tensor, bias, "auto")))
         if every:
             cases.append((ops.weight_only_linear.default,
-                          (x, qt.qdata, qt.scale, wo_block, per_tensor, None)))
+                          (x, qt.qdata, qt.scale, wo_block, per_tensor, None, "fused")))
     if HAS_CPU_SCALED_MM:
         qt = QuantizedTensor.from_float(w, PerTensor())
         xq, sa = custom_ops.kernels.quantize_rows(x)
@@ -273,7 +273,7 @@ def test_kernel_ops_equal_the_entry_points_they_wrap():
         assert torch.equal(a.float(), b.float())
     assert torch.equal(ops.dequantize(qt.qdata, qt.scale, [1, 256], torch.bfloat16, False),
                        qt.dequantize(torch.bfloat16))
-    assert torch.equal(ops.weight_only_linear(x, qt.qdata, qt.scale, [1, 256], False, None),
+    assert torch.equal(ops.weight_only_linear(x, qt.qdata, qt.scale, [1, 256], False, None, "auto"),
                        k.weight_only_linear(x, qt.qdata, qt.scale, (1, 256), False, None))
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, QuantizedTensor
+from fp8_engram.quant.compute import default_book
 from fp8_engram.quant.runtime import reset_log_once
 from helpers.numerics import sqnr
 
@@ -24,7 +25,8 @@ lin = importlib.import_module("fp8_engram.quant.compute.linear")
 
 sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
 
-fails = importlib.import_module("fp8_engram.quant.compute.failures")
+kernels = importlib.import_module("fp8_engram.quant.kernels")
+FP8_PATH = importlib.import_module("fp8_engram.quant.compute.paths").FP8
 # these tests count the kernel calls and failures of a trusted path; proving is tested in test_fast_path_choice.py
 FP8 = ComputeConfig(path="fp8", trust_fast_paths=True)
 CPU = torch.device("cpu")
@@ -37,7 +39,6 @@ def api(monkeypatch):
     if name is None:
         pytest.skip(f"torch {torch.__version__} has no scaled matmul with a CPU kernel")
     monkeypatch.setattr(sm, "_needs", {})
-    monkeypatch.setattr(fails, "fp8_failed", set())
     monkeypatch.setattr(sm, "_blockwise_for", {})
     reset_log_once()
     return name
@@ -70,8 +71,8 @@ def test_a_failing_fp8_product_is_remembered_and_not_retried(api, monkeypatch, c
 
     seen = _install(monkeypatch, api, broken)
     quantized = []
-    real_rows = lin.kernels.quantize_rows
-    monkeypatch.setattr(lin.kernels, "quantize_rows",
+    real_rows = kernels.quantize_rows
+    monkeypatch.setattr(kernels, "quantize_rows",
                         lambda *a, **k: quantized.append(1) or real_rows(*a, **k))
     w, x = _data()
     qt = QuantizedTensor.from_float(w, PerRow(), config=FP8)
@@ -106,7 +107,7 @@ def test_out_of_memory_is_never_remembered(api, monkeypatch, caplog):
         y1 = F.linear(x.half(), qt)  # ran weight-only
         y2 = F.linear(x.half(), qt)  # fp8 again, in fp16
     assert seen == [torch.float16, torch.float16]
-    assert not fails.fp8_failed and not sm._needs
+    assert not default_book().failures() and not sm._needs
     ref = F.linear(x.double(), w.double())
     assert sqnr(ref, y1) >= 30 and sqnr(ref, y2) >= 27
 
@@ -206,7 +207,7 @@ def test_block_weights_at_a_real_layer_shape_are_right_or_weight_only(api, monke
     ref = F.linear(x.double(), qt.dequantize(torch.float64))
     assert sqnr(ref, y) >= 25 and torch.equal(y, y2)
     if reads == "ignores":
-        assert lin._wants_fp8(x, qt, FP8) is False
+        assert FP8_PATH.operand(qt, FP8, x.device, torch.bfloat16) is None
         assert any("weight-only" in r.getMessage() for r in caplog.records)
         assert len(seen) == probe_calls
     else:
@@ -222,8 +223,6 @@ def test_block_weights_at_a_real_layer_shape_are_right_or_weight_only(api, monke
 def test_a_failing_weight_only_gemm_falls_back_to_dequantize_once(monkeypatch):
     """A fused weight-only GEMM that cannot run on a GPU (no config of its table fits) fails once per
     kind: that call and later ones dequantize and use cuBLAS, nothing raises, nothing is retried."""
-    kernels = importlib.import_module("fp8_engram.quant.kernels")
-    monkeypatch.setattr(fails, "wo_failed", set())
     w, x = _data()
     q = QuantizedTensor.from_float(w.cuda(), PerRow())
     calls = []
@@ -237,4 +236,4 @@ def test_a_failing_weight_only_gemm_falls_back_to_dequantize_once(monkeypatch):
     for _ in range(3):
         got = lin.linear(x.cuda(), q, None, ComputeConfig(path="weight_only"))
         assert torch.equal(got, want)
-    assert len(calls) == 1 and len(fails.wo_failed) == 1
+    assert len(calls) == 1 and len(default_book().failures()) == 1

@@ -218,10 +218,8 @@ def test_a_failing_int8_kernel_falls_back_to_weight_only_and_is_not_retried(monk
     Out of memory is this call's only."""
     import importlib
 
-    lin = importlib.import_module("fp8_engram.quant.compute.linear")
+    from fp8_engram.quant.compute import default_book
 
-    fails = importlib.import_module("fp8_engram.quant.compute.failures")
-    monkeypatch.setattr(fails, "int8_failed", set())
     w8 = qint8.to_int8(weight(16, 128))
     x = torch.randn(4, 128)
     calls = []
@@ -236,11 +234,11 @@ def test_a_failing_int8_kernel_falls_back_to_weight_only_and_is_not_retried(monk
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB")
     for _ in range(2):
         assert torch.equal(linear(x, w8, None, TRUSTED_INT8), linear(x, w8, None, ComputeConfig(path="weight_only")))
-    assert len(calls) == 2 and not fails.int8_failed
+    assert len(calls) == 2 and not default_book().failures()
     error = RuntimeError("no int8 kernel here")
     for _ in range(3):
         assert torch.equal(linear(x, w8, None, TRUSTED_INT8), linear(x, w8, None, ComputeConfig(path="weight_only")))
-    assert len(calls) == 3 and len(fails.int8_failed) == 1
+    assert len(calls) == 3 and len(default_book().failures()) == 1
     # another activation dtype is another kind: tried
     linear(x.bfloat16(), w8, None, TRUSTED_INT8)
     assert len(calls) == 4

@@ -123,8 +123,10 @@ def test_cuda_block_weights_use_block_scaling_where_torch_has_it(caplog):
         with caplog.at_level(logging.WARNING):
             y = F.linear(x.cuda(), qt)
         assert sqnr(ref, y.cpu()) >= 27.0
-    wants = quant_linear._wants_fp8(x.cuda(), QuantizedTensor.from_float(w, Block(128, 128)).to("cuda"),
-                                    ComputeConfig())
+    from fp8_engram.quant.compute.paths import FP8
+
+    wants = FP8.operand(QuantizedTensor.from_float(w, Block(128, 128)).to("cuda"), ComputeConfig(),
+                        torch.device("cuda"), torch.bfloat16) is not None
     assert wants == sm.blockwise_supported(torch.device("cuda"))
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
 

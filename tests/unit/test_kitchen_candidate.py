@@ -1,4 +1,4 @@
-"""comfy-kitchen's int8_linear as a candidate of the choice (quant/compute/kitchen.py), with a pinned
+"""comfy-kitchen's int8_linear as a path of the registry (quant/compute/paths/kitchen.py), with a pinned
 comfy-kitchen release (helpers/kitchen.py installs it; the test skips, naming pip's reason, where it
 cannot). Run in a subprocess whose `import comfy_kitchen` finds that release, on the CPU (kitchen's eager
 backend, what stock ComfyUI 0.29+ runs there): the candidate is offered for the int8 weights kitchen
@@ -19,16 +19,28 @@ KITCHEN = "0.2.40"
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".host", "pkg")
 
 SCRIPT = r"""
-import importlib, json, sys, time
+import importlib, json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 from fp8_engram.quant import ComputeConfig, QuantizedTensor
-from fp8_engram.quant.compute import choice, kitchen
+from fp8_engram.quant.compute import Book, proof
 from fp8_engram.quant.compute.linear import linear
-lin = importlib.import_module("fp8_engram.quant.compute.linear")
+from fp8_engram.quant.compute.paths import kitchen, plain
+int8mod = importlib.import_module("fp8_engram.quant.compute.int8")
 from fp8_engram.quant.layouts import Int8
 
-AUTO = ComputeConfig()
+clock = [0.0]  # a fake clock that only the slowed paths below advance: no wall-clock margin decides
+
+def fake_clock(device):
+    def timed(fn):
+        t0 = clock[0]
+        fn()
+        return clock[0] - t0
+    return timed
+
+proof.clock_for = fake_clock
+book = Book()
+AUTO = ComputeConfig(book=book)
 g = torch.Generator().manual_seed(0)
 w = torch.randn(512, 1024, generator=g) * 0.03
 x = torch.randn(200, 1024, generator=g).bfloat16()
@@ -37,9 +49,9 @@ weights = {"convrot": Int8(False, 256, True), "rows": Int8(True, 0), "pack's own
 weights = {k: QuantizedTensor.from_float(w, layout, fp8_dtype=torch.int8) for k, layout in weights.items()}
 
 def verdict(name):
-    choice.reset()
+    book.reset()
     y = linear(x, weights[name], None, AUTO)
-    v = [v for v in choice.verdicts("cpu") if v.kind == "int8"][0]
+    v = [v for v in book.verdicts("cpu") if v.kind == "int8"][0]
     return y, {"chosen": v.chosen, "why": v.why, "proofs": v.proofs, "seconds": v.seconds}
 
 out = {"takes": {k: kitchen.takes(q) for k, q in weights.items()}}
@@ -59,12 +71,12 @@ kitchen._args = lambda w8: dict(real_args(w8), convrot=False)  # kernel and eage
 out["other product"] = verdict("convrot")[1]
 kitchen._args = real_args
 
-def slow(fn):  # slower than any kitchen call here, even on a busy machine
+def slow(fn):  # 0.5 s on the fake clock: slower than kitchen's calls, which take none
     def run(*a, **k):
-        time.sleep(0.5)
+        clock[0] += 0.5
         return fn(*a, **k)
     return run
-lin._weight_only, lin.int8.int8_linear = slow(lin._weight_only), slow(lin.int8.int8_linear)
+plain._dequantized, int8mod.int8_linear = slow(plain._dequantized), slow(int8mod.int8_linear)
 y, out["fastest"] = verdict("rows")
 out["chosen_output_is_kitchens"] = bool(torch.equal(y, kitchen.int8_linear(x, weights["rows"], None, torch.bfloat16)))
 print(json.dumps(out))

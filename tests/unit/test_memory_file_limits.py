@@ -24,6 +24,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.host import missing_prerequisite
 import torch
 
 from fp8_engram.engram import ue8m0
@@ -160,7 +161,7 @@ def run_with_small_shm(code: str, shm: str = "8m", timeout: float = 240) -> subp
     is a tmpfs of `shm` (the host's /dev/shm is untouched)."""
     reason = namespace_unavailable()
     if reason is not None:
-        pytest.skip(reason)
+        missing_prerequisite(reason)
     script = f"import sys\nsys.path[:0] = [{str(ROOT / '.host' / 'pkg')!r}]\n" + textwrap.dedent(code)
     inner = f'mount -t tmpfs -o size={shm} tmpfs /dev/shm && exec "$0" -c "$1"'
     return subprocess.run(["unshare", "-m", "sh", "-c", inner, sys.executable, script],
@@ -344,7 +345,7 @@ def test_saving_into_a_read_only_folder_names_the_destination_and_what_to_do(tmp
     """
     reason = namespace_unavailable()
     if reason is not None:
-        pytest.skip(reason)
+        missing_prerequisite(reason)
     script = f"import sys\nsys.path[:0] = [{str(ROOT / '.host' / 'pkg')!r}]\n" + textwrap.dedent(code)
     inner = 'mount --bind "$2" "$2" && mount -o remount,bind,ro "$2" && exec "$0" -c "$1"'
     done = subprocess.run(["unshare", "-m", "sh", "-c", inner, sys.executable, script, str(folder)],

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.unit
 
 lin = importlib.import_module("fp8_engram.quant.compute.linear")
 sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
-fails = importlib.import_module("fp8_engram.quant.compute.failures")
+fp8_path = importlib.import_module("fp8_engram.quant.compute.paths.fp8")
+kernels = importlib.import_module("fp8_engram.quant.kernels")
 # these tests count the kernel calls and failures of a trusted path; proving is tested in test_fast_path_choice.py
 FP8 = ComputeConfig(path="fp8", trust_fast_paths=True)
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_supported(torch.device("cuda"))
@@ -34,7 +35,6 @@ def _data(out_f=96, in_f=192, tokens=24, device="cpu"):
 def _fresh_failure_memory(monkeypatch):
     """linear.py remembers failed kinds of products for the process: each test starts clean."""
     monkeypatch.setattr(sm, "_needs", {})
-    monkeypatch.setattr(fails, "fp8_failed", set())
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_failing_kernel_falls_back_logs_once_never_raises(layout, monkeypatch, c
         y2 = F.linear(x.unsqueeze(0), qt)
     expected = F.linear(x, qt.dequantize())
     assert torch.equal(y1, expected) and torch.equal(y2[0], expected)
-    fails = [r for r in caplog.records if "fp8 x fp8 linear failed" in r.getMessage()]
+    fails = [r for r in caplog.records if "fp8 failed on" in r.getMessage()]
     assert len(fails) == 1 and "no FP8 kernel" in fails[0].getMessage()
     # with grad enabled the fallback still gives the right values and gradient
     xg = x.clone().requires_grad_(True)
@@ -116,7 +116,7 @@ def test_forced_fp8_on_cpu_uses_an_api_with_a_cpu_kernel_or_logs_the_fallback(ca
     qt = QuantizedTensor.from_float(w, PerRow(), config=FP8)
     with caplog.at_level(logging.WARNING):
         y = F.linear(x, qt)
-    fails = [r for r in caplog.records if "fp8 x fp8 linear failed" in r.getMessage()]
+    fails = [r for r in caplog.records if "fp8 failed on" in r.getMessage()]
     if chosen is None:
         assert len(fails) == 1 and torch.equal(y, F.linear(x, qt.dequantize()))
     else:
@@ -130,7 +130,7 @@ def test_every_api_with_a_cpu_kernel_gives_the_same_product():
         pytest.skip(f"torch {torch.__version__} has {len(apis)} scaled-matmul API(s) with a CPU kernel")
     w, x = _data()
     qt = QuantizedTensor.from_float(w, PerRow())
-    xq, sa = lin.kernels.quantize_rows(x)
+    xq, sa = kernels.quantize_rows(x)
     bias = torch.full((96,), 0.25, dtype=torch.bfloat16)
     outs = [sm.SCALED_MM_APIS[name](xq, qt.qdata.t(), sa, qt.scale.reshape(1, -1), bias,
                                      torch.bfloat16) for name in apis]
@@ -176,14 +176,14 @@ def test_static_without_input_scale_is_dynamic_never_one():
 def test_row_weight_scale_is_built_once_and_rebuilt_after_an_in_place_change():
     w, _ = _data()
     qt = QuantizedTensor.from_float(w, PerTensor())
-    a = lin._row_weight_scale(qt)
+    a = fp8_path.row_weight_scale(qt)
     assert a.shape == (1, 96) and a.is_contiguous()
-    assert lin._row_weight_scale(qt) is a  # cached on the weight, not made per call
+    assert fp8_path.row_weight_scale(qt) is a  # cached on the weight, not made per call
     qt.requantize_(w.float() * 2)  # writes the scale in place (as a LoRA patch does)
-    b = lin._row_weight_scale(qt)
+    b = fp8_path.row_weight_scale(qt)
     assert b is not a and torch.equal(b, qt.scale.reshape(1, 1).expand(1, 96))
     row = QuantizedTensor.from_float(w, PerRow())
-    assert lin._row_weight_scale(row).data_ptr() == row.scale.data_ptr()  # a view, no copy
+    assert fp8_path.row_weight_scale(row).data_ptr() == row.scale.data_ptr()  # a view, no copy
 
 
 def test_row_weight_scale_of_an_inference_tensor_is_cached_and_follows_every_in_place_write():
@@ -193,15 +193,15 @@ def test_row_weight_scale_of_an_inference_tensor_is_cached_and_follows_every_in_
     w, _ = _data()
     with torch.inference_mode():
         qt = QuantizedTensor.from_float(w, PerTensor())
-        a = lin._row_weight_scale(qt)
-        assert lin._row_weight_scale(qt) is a
+        a = fp8_path.row_weight_scale(qt)
+        assert fp8_path.row_weight_scale(qt) is a
         other = QuantizedTensor.from_float(w.float() * 3, PerTensor())
         qt.copy_(other)
-        b = lin._row_weight_scale(qt)
+        b = fp8_path.row_weight_scale(qt)
         assert torch.equal(b, other.scale.reshape(1, 1).expand(1, 96))
         assert not torch.equal(b, a)
         qt.requantize_(w.float() * 5)
-        c = lin._row_weight_scale(qt)
+        c = fp8_path.row_weight_scale(qt)
         assert torch.equal(c, qt.scale.reshape(1, 1).expand(1, 96)) and not torch.equal(c, b)
 
 
@@ -255,7 +255,6 @@ def _failing_api(monkeypatch, refuse):
 
     monkeypatch.setitem(sm.SCALED_MM_APIS, api, picky)
     monkeypatch.setattr(sm, "_needs", {})
-    monkeypatch.setattr(fails, "fp8_failed", set())
     return seen
 
 
@@ -294,7 +293,7 @@ def test_group_quantized_activation_times_block_weight_is_accurate():
     w = torch.randn(256, 384, generator=g) * torch.logspace(-2, 0, 256)[:, None]
     x = (torch.randn(40, 384, generator=g) * torch.logspace(-3, 1, 384)[None, :]).to(torch.bfloat16)
     qt = QuantizedTensor.from_float(w, Block(128, 128))
-    xq, sa = lin.kernels.quantize_groups(x)
+    xq, sa = kernels.quantize_groups(x)
     assert sa.shape == (40, 3) and sa.stride() == (1, 40)
     xd = (xq.double().view(40, 3, 128) * sa.double()[:, :, None]).view(40, 384)
     y = xd @ qt.dequantize(torch.float64).t()

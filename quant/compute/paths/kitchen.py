@@ -1,4 +1,4 @@
-"""comfy-kitchen's int8 linear as a candidate of the choice (``choice.py``), where the ComfyUI in use brings it.
+"""comfy-kitchen's int8 linear as a path, "kitchen int8", where the ComfyUI in use brings it.
 
 ComfyUI 0.29 and newer depend on comfy-kitchen, Comfy-Org's kernel library; for INT8 weights with one
 scale per tensor or per output channel and either no rotation or ComfyUI's ConvRot (a regular Hadamard
@@ -27,13 +27,14 @@ import logging
 
 import torch
 
-from ..layouts import Int8
-from . import proof
-from .choice import Candidate
+from ...layouts import Int8
+from .. import proof
+from .base import Path, ref_product
+from .int8 import INT8, int8_operand
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["module", "takes", "int8_linear", "int8_candidate"]
+__all__ = ["module", "takes", "int8_linear", "KitchenInt8", "KITCHEN_INT8"]
 
 _found: dict = {}
 
@@ -80,23 +81,43 @@ def _eager(x: torch.Tensor, w8, bias, out_dtype: torch.dtype) -> torch.Tensor:
         return ck.int8_linear(x, w8.qdata, bias=bias, out_dtype=out_dtype, **_args(w8))
 
 
-def int8_candidate(run, x: torch.Tensor, w8, bias, cdt: torch.dtype, s, product_ref, pack_twin) -> Candidate:
-    """The candidate for ``run`` (kitchen's call on the proof activation ``x``): twin and reference from
-    kitchen's eager backend on the sampled rows; ``product_ref()`` is the plain path's reference and
-    ``pack_twin()`` the pack's int8 twin on the same sample (the "same product" check)."""
-    xr = x.index_select(0, s.rows)
+class KitchenInt8(Path):
+    """Its proof has two parts (module docstring): kitchen's own eager backend as twin and reference, and
+    ``agrees``: no worse against the weight's own product than the pack's int8 twin by ``proof.MARGIN_DB``."""
 
-    def cols(out: torch.Tensor) -> torch.Tensor:
-        return out.index_select(1, s.cols)
+    name = "kitchen int8"
 
-    def agrees(got: torch.Tensor) -> str | None:
-        ref = product_ref()
-        mine, theirs = proof.sqnr_db(pack_twin(), ref), proof.sqnr_db(got, ref)
-        need = min(mine, proof.CEILING_DB) - proof.MARGIN_DB
-        if theirs >= need:
+    def operand(self, w, cfg, device, cdt):
+        if cfg.path != "auto" or module() is None:
             return None
-        return (f"computes another product than the weight's: {theirs:.1f} dB against the dequantized weight's, "
-                f"the pack's int8 {mine:.1f} dB (needs {need:.1f})")
+        w8 = int8_operand(w, cfg, device)
+        return w8 if w8 is not None and takes(w8) else None
 
-    return Candidate(run=run, twin=lambda: cols(_eager(xr, w8, bias, cdt)),
-                     reference=lambda: cols(_eager(xr, w8, bias, torch.float32)), agrees=agrees)
+    def kind(self, w8, cfg) -> str:
+        return "int8"
+
+    def run(self, x2d, w8, bias, cdt, cfg=None, *, op: bool = False):
+        return int8_linear(x2d.to(cdt), w8, None if bias is None else bias.to(cdt), cdt)
+
+    def check(self, x2d, w8, bias, cdt, cfg, sample, wref):
+        xr = x2d.index_select(0, sample.rows)
+        pack_twin = INT8.check(x2d, w8, bias, cdt, cfg, sample, wref)[0]
+        rdt = proof.reference_dtype(x2d.device)
+
+        def cols(out: torch.Tensor) -> torch.Tensor:
+            return out.index_select(1, sample.cols)
+
+        def agrees(got: torch.Tensor) -> str | None:
+            ref = ref_product(xr, wref(), bias, sample, rdt)
+            mine, theirs = proof.sqnr_db(pack_twin(), ref), proof.sqnr_db(got, ref)
+            need = min(mine, proof.CEILING_DB) - proof.MARGIN_DB
+            if theirs >= need:
+                return None
+            return (f"computes another product than the weight's: {theirs:.1f} dB against the dequantized weight's, "
+                    f"the pack's int8 {mine:.1f} dB (needs {need:.1f})")
+
+        b = None if bias is None else bias.to(cdt)
+        return (lambda: cols(_eager(xr, w8, b, cdt)), lambda: cols(_eager(xr, w8, b, torch.float32)), agrees)
+
+
+KITCHEN_INT8 = KitchenInt8()
