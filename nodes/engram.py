@@ -566,6 +566,16 @@ def _finite_input(node: str, name: str, value, low: float, high: float) -> float
     return number
 
 
+def _finite_conditioning(cond, what: str):
+    """`cond` (a CONDITIONING tensor), refused with an error naming `what` (the node and its input) when
+    it holds NaN or inf: written into the memory it would make every later prompt's conditioning NaN."""
+    if isinstance(cond, torch.Tensor) and cond.is_floating_point() and not bool(torch.isfinite(cond).all()):
+        bad = int((~torch.isfinite(cond)).sum())
+        raise EngramMemoryError(f"{what} holds NaN or infinite values ({bad} of {cond.numel()}); nothing was written "
+                                "into the memory. Give a finite conditioning")
+    return cond
+
+
 def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dict, strength: float, looked_up: tuple | None = None) -> list:
     out = []
     for cond, extra in conditioning:
@@ -665,11 +675,12 @@ class EngramMemorize(io.ComfyNode):
         with _serving("Engram Memorize", memory):
             _bind(memory, clip)
             tokens = _tokenize(clip, text)
-            base = _encode(clip, tokens)[0][0]
+            base = _finite_conditioning(_encode(clip, tokens)[0][0], "Engram Memorize: the conditioning `clip` makes of input 'text'")
             if target is not None:
-                target_cond = target[0][0]
+                target_cond = _finite_conditioning(target[0][0], "Engram Memorize: input 'target' (the target conditioning)")
             elif target_text.strip():
-                target_cond = _encode(clip, _tokenize(clip, target_text))[0][0]
+                target_cond = _finite_conditioning(_encode(clip, _tokenize(clip, target_text))[0][0],
+                                                   "Engram Memorize: the conditioning `clip` makes of input 'target_text'")
             else:
                 raise EngramMemoryError("give a target: connect a target CONDITIONING or write a target_text")
             written = memory.memorize(tokens, base, target_cond)
@@ -759,6 +770,12 @@ def _read_pairs(path: str, cancel=lambda: None) -> list[dict]:
             except json.JSONDecodeError as exc:
                 broken_line(f"line {number}: not JSON ({exc.msg})")
                 continue
+            except RecursionError:
+                broken_line(f"line {number}: JSON nested too deeply to read (a pair is one flat object)")
+                continue
+            except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+                broken_line(f"line {number}: JSON this reader cannot take ({str(exc).split(';')[0]})")
+                continue
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
                 broken_line(f"line {number}: needs a string \"prompt\"")
                 continue
@@ -847,12 +864,13 @@ class EngramTrain(io.ComfyNode):
         examples = []
         for item in pairs:
             comfy.model_management.throw_exception_if_processing_interrupted()
+            line = f"Engram Train: {name} line {item['line']}"
             tokens = _tokenize(clip, item["prompt"])
-            base = _encode(clip, tokens)[0][0]
+            base = _finite_conditioning(_encode(clip, tokens)[0][0], f"{line}: the conditioning of \"prompt\"")
             if isinstance(item.get("target"), str):
-                target = _encode(clip, _tokenize(clip, item["target"]))[0][0]
+                target = _finite_conditioning(_encode(clip, _tokenize(clip, item["target"]))[0][0], f"{line}: the conditioning of \"target\"")
             else:
-                where = f"Engram Train: {name} line {item['line']}: target_conditioning"
+                where = f"{line}: target_conditioning"
                 cond_path = _inside_input(item["target_conditioning"], where, relative_to=os.path.dirname(path))
                 try:
                     target = comfy.utils.load_torch_file(cond_path, safe_load=True)["cond"]
@@ -860,6 +878,7 @@ class EngramTrain(io.ComfyNode):
                     raise ValueError(f"{where}: cannot read key 'cond' of {item['target_conditioning']}: {exc}") from exc
                 if target.dim() == 2:
                     target = target.unsqueeze(0)
+                _finite_conditioning(target, f"{where} {item['target_conditioning']!r} (key 'cond')")
             # Each pair becomes its examples at once (only its streams' columns), so the whole CONDITIONING
             # of every pair is never held together.
             examples.extend(memory.examples([(tokens, base, target)]))

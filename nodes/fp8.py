@@ -201,8 +201,8 @@ def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict
     return s
 
 
-def _ops(cfg, patch_rounding):
-    return make_fp8_ops(cfg, stochastic_rounding=(patch_rounding == "stochastic"))
+def _ops(cfg, patch_rounding, source: str | None = None):
+    return make_fp8_ops(cfg, stochastic_rounding=(patch_rounding == "stochastic"), source=source)
 
 
 class LoadFP8DiffusionModel(io.ComfyNode):
@@ -228,7 +228,7 @@ class LoadFP8DiffusionModel(io.ComfyNode):
                 fast_paths=FAST_PATHS[0]) -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
         header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
-        ops = _ops(cfg, patch_rounding)
+        ops = _ops(cfg, patch_rounding, f"diffusion_models/{unet_name}")
         options = {"custom_operations": ops}
         if cfg.compute_dtype is not None:
             options["dtype"] = cfg.compute_dtype
@@ -269,7 +269,7 @@ class LoadFP8Checkpoint(io.ComfyNode):
         for k in list(sd):
             if k.startswith(VAE_PREFIXES) and isinstance(sd[k], QuantizedTensor):
                 sd[k] = sd[k].dequantize()
-        ops = _ops(cfg, patch_rounding)
+        ops = _ops(cfg, patch_rounding, f"checkpoints/{ckpt_name}")
         out = comfy.sd.load_state_dict_guess_config(
             sd, output_vae=True, output_clip=True, embedding_directory=folder_paths.get_folder_paths("embeddings"),
             model_options={"custom_operations": ops}, te_model_options={"custom_operations": ops}, metadata=metadata)
@@ -311,7 +311,7 @@ class LoadFP8TextEncoder(io.ComfyNode):
         cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
         header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
         clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
-        ops = _ops(cfg, patch_rounding)
+        ops = _ops(cfg, patch_rounding, f"text_encoders/{clip_name}")
         clip = comfy.sd.load_text_encoder_state_dicts(
             [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
             model_options={"custom_operations": ops})

@@ -93,3 +93,88 @@ def test_rows_whose_sum_overflows_are_an_error_naming_the_file_and_layer(comfy, 
     assert damaged.name in message, message
     assert "layer 0" in message and "not finite" in message, message
     assert "EngramTextEncode" in message, message
+
+
+# ----- Engram Train: pairs lines that broke the JSON reader -----
+
+
+def train_graph(pairs_file: str) -> dict:
+    return {"2": clip_node(), "30": new_memory(1051, ranks=1),
+            "31": {"class_type": "FP8Engram.EngramTrain", "inputs": {
+                "memory": ["30", 0], "clip": ["2", 0], "pairs_file": pairs_file, "steps": 2,
+                "learning_rate": 0.05, "batch_size": 1, "seed": 0}},
+            "45": {"class_type": "PreviewImage", "inputs": {"images": ["31", 1]}}}
+
+
+@pytest.mark.parametrize("case", ["nested", "huge_integer"])
+def test_a_pairs_line_json_cannot_read_names_the_file_and_line(comfy, comfy_server, case):
+    good = json.dumps({"prompt": "a red apple", "target": "a blue pear"})
+    if case == "nested":
+        bad = '{"prompt": "a red apple", "target": "a blue pear", "x": ' + "[" * 30000 + "]" * 30000 + "}"
+        assert len(bad) < 64 * 1024  # under the line limit: the JSON reader itself meets it
+    else:
+        bad = '{"prompt": "a red apple", "target": "a blue pear", "n": ' + "7" * 5000 + "}"
+    name = f"round4_{case}.jsonl"
+    (comfy_server.base_dir / "input" / name).write_text(good + "\n" + bad + "\n")
+    message = error_of(comfy, train_graph(name))
+    assert f"{name}: 1 broken line(s): line 2:" in message, message
+    assert "RecursionError" not in message and "Traceback" not in message.split("line 2:")[0], message
+
+
+# ----- NaN target conditioning -----
+
+
+def test_a_nan_target_of_memorize_names_the_node_and_input(comfy):
+    """ConditioningAverage with a raw NaN strength makes an all-NaN conditioning for Memorize's `target`."""
+    graph = memory_graph(new_memory(1051, ranks=1))
+    graph["60"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": TARGET_PHRASE}}
+    graph["61"] = {"class_type": "ConditioningAverage", "inputs": {
+        "conditioning_to": ["60", 0], "conditioning_from": ["40", 0], "conditioning_to_strength": float("nan")}}
+    graph["31"]["inputs"]["target"] = ["61", 0]
+    message = run_raw_error(comfy, graph)
+    assert message.startswith("FP8Engram.EngramMemorize"), message
+    assert "input 'target'" in message and "NaN" in message, message
+
+
+def test_a_nan_target_conditioning_file_of_train_names_the_file_line_and_key(comfy, comfy_server):
+    input_dir = comfy_server.base_dir / "input"
+    save_file({"cond": torch.full((1, 77, 4096), float("nan"))}, str(input_dir / "round4_nan_cond.safetensors"))
+    (input_dir / "round4_nan_cond.jsonl").write_text(
+        json.dumps({"prompt": "a red apple", "target_conditioning": "round4_nan_cond.safetensors"}) + "\n")
+    message = error_of(comfy, train_graph("round4_nan_cond.jsonl"))
+    assert "round4_nan_cond.jsonl line 1: target_conditioning" in message, message
+    assert "round4_nan_cond.safetensors" in message and "NaN" in message, message
+
+
+# ----- an NVFP4 tensor scale just under the overflow edge, on the int8 path -----
+
+
+def test_nvfp4_scale_just_under_the_edge_on_the_int8_path_names_the_file_and_layer(comfy, models_dir):
+    """Every layer's tensor scale at 99 % of the largest the load check lets through (its product with the
+    largest block scale and 6 is 1 % under float32's range); the int8 path converts the weights at load."""
+    sd = load_file(str(models_dir / "diffusion_models" / TINY_UNET))
+    out, layers = {}, []
+    for key, w in sd.items():
+        if not fp8_files.default_quantize(key, w) or "embedder" in key:
+            out[key] = w
+            continue
+        layer = key[: -len(".weight")]
+        qt = QuantizedTensor.from_float(w.float(), NVFP4.for_shape(w.shape))
+        parts = nvfp4.file_tensors(qt)
+        block, _ = nvfp4.split_scales(qt.scale, qt.layout)
+        edge = float(torch.finfo(torch.float32).max) / (float(block.float().max()) * 6)
+        parts["weight_scale_2"] = torch.tensor(0.99 * edge, dtype=torch.float32)
+        assert math.isfinite(float(parts["weight_scale_2"]))
+        out.update({layer + "." + k: v for k, v in parts.items()})
+        out[layer + ".comfy_quant"] = comfy_int8.comfy_quant_bytes({"format": "nvfp4"})
+        layers.append(layer)
+    name = "round4_nvfp4_edge.safetensors"
+    save_file({k: v.contiguous() for k, v in out.items()}, str(models_dir / "diffusion_models" / name))
+    try:
+        message = error_of(comfy, sd3_txt2img(model=fp8_loader(name, compute_path="int8"), save="latent", steps=1,
+                                              prefix="round4_nv_edge"))
+    finally:
+        (models_dir / "diffusion_models" / name).unlink()
+    assert f"diffusion_models/{name}" in message, message
+    assert any(f"{layer}'" in message for layer in layers), message  # the layer, as the model names it
+    assert "QuantizationError" in message and "weight-only" in message, message
