@@ -38,7 +38,8 @@ from comfy_api.latest import io
 
 from ..quant import ComputeConfig, QuantizedTensor, formats, save
 from ..quant.compute import choice
-from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, quantize_module
+from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, MAX_KEEP_PATTERN_CHARS, MAX_KEEP_PATTERNS, quantize_module
+from ..quant.quantize_model import keep_patterns as compile_keep_patterns
 from . import CATEGORY, NODE_ID_PREFIX
 from .ops import make_fp8_ops, release_workspace_on_unload
 
@@ -404,7 +405,11 @@ class QuantizeModelToFP8(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, granularity, fp8_dtype, keep_patterns) -> io.NodeOutput:
-        keep = [p.strip() for p in keep_patterns.replace("\n", ",").split(",") if p.strip()]
+        what = "Quantize Model to FP8: input 'keep_patterns'"
+        if len(keep_patterns) > MAX_KEEP_PATTERNS * (MAX_KEEP_PATTERN_CHARS + 2):
+            raise ValueError(f"{what} has {len(keep_patterns)} characters; give at most {MAX_KEEP_PATTERNS} patterns of "
+                             f"at most {MAX_KEEP_PATTERN_CHARS} characters each")
+        keep = compile_keep_patterns([p.strip() for p in keep_patterns.replace("\n", ",").split(",") if p.strip()], what)
         diffusion = model.get_model_object("diffusion_model")
         new, report = quantize_module(diffusion, granularity=granularity, fp8_dtype=fp8_dtype, keep=keep,
                                       progress=_progress_fn(), weight_of=_own_weights(model))

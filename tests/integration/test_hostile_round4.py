@@ -178,3 +178,16 @@ def test_nvfp4_scale_just_under_the_edge_on_the_int8_path_names_the_file_and_lay
     assert f"diffusion_models/{name}" in message, message
     assert any(f"{layer}'" in message for layer in layers), message  # the layer, as the model names it
     assert "QuantizationError" in message and "weight-only" in message, message
+
+
+# ----- Quantize Model: keep_patterns -----
+
+
+@pytest.mark.parametrize("patterns", ["[" * 20000, ", ".join(["*embed*"] * 300)])
+def test_keep_patterns_beyond_the_bounds_are_refused_naming_the_input(comfy, patterns):
+    graph = sd3_txt2img(save="latent", steps=1, prefix="round4_keep")
+    graph["20"] = {"class_type": "FP8Engram.QuantizeModelToFP8",
+                   "inputs": {"model": ["1", 0], "granularity": "tensor", "fp8_dtype": "e4m3fn", "keep_patterns": patterns}}
+    graph["6"]["inputs"]["model"] = ["20", 0]
+    message = error_of(comfy, graph)
+    assert "QuantizeModelToFP8" in message and "input 'keep_patterns'" in message, message
