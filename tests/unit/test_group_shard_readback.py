@@ -109,6 +109,25 @@ def test_a_wrong_entry_of_the_gathers_shard_table_is_refused_on_start(monkeypatc
     start_refused()
 
 
+class KernelScaleTableOffByOneWord(LocalEngramBuffer):
+    """The host's buffer with the Triton gather forced (interpreted) and layer 1's scale offset in the
+    kernel's table one 4-byte word off: its table rows are right, its scale factors are not."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, gather="triton", **kwargs)
+
+    def _build_kernel_tables(self):
+        super()._build_kernel_tables()
+        self._meta[1, 2] += 1
+
+
+def test_a_wrong_scale_offset_of_the_gathers_table_is_refused_on_start(monkeypatch):
+    """FP8 tables: the probe rows carry scale factors too, read back through the kernel's scale offsets."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(group_module, "LocalEngramBuffer", KernelScaleTableOffByOneWord)
+    assert "layer 1," in start_refused(dtype=torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_ranks_that_read_each_other_start_and_leave_no_pattern(dtype):
     """Three real CPU ranks pass the check; the probe rows are put back, so every rank's shard is all
