@@ -142,8 +142,8 @@ def barrier(group: dist.ProcessGroup, device: torch.device, data_device: torch.d
 
 class ShardSharingError(RuntimeError):
     """The ranks' shards are not shared as they must be: a peer's shard could not be exported or opened
-    (CUDA IPC), or a rank reads other bytes through its mapping of a peer's shard than the peer wrote
-    (LocalEngramBuffer's check at start). The message names the ranks; the memory cannot serve rows."""
+    (CUDA IPC), or a rank reads other rows of a peer's shard than the peer wrote, through the gather its
+    fetch uses (LocalEngramBuffer's check at start). The message names the ranks; the memory cannot serve rows."""
 
 
 class SharedMemoryFullError(MemoryError):

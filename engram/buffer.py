@@ -55,8 +55,9 @@ NUM_ALIGNED_SF_PACKS = 4
 NUM_MAX_LAYERS = 128
 ROW_ALIGNMENT_BYTES = 64
 _WRITE_CHUNK_BYTES = 1 << 30
-# Bytes each rank writes at the start and at the end of its shard for the check that its peers read them back.
-PROBE_BYTES = 64
+# Rows each rank writes into every layer of its shard at start, besides the first, middle and last ones,
+# for the check that every rank reads them back through the gather fetch uses (seeded positions).
+PROBE_SEEDED_ROWS = 3
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 
 _allocator_override: ShardAllocator | None = None
@@ -238,47 +239,100 @@ class LocalEngramBuffer:
                 f"ranks {differing} differ: {[gathered[r][:7 + max(gathered[r][6], 0)] for r in differing]})"
             )
 
-    def _probe_pattern(self, nonce: int) -> torch.Tensor:
+    def _probe_plan(self, nonce: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """What the rank with `nonce` probes, per layer: (local rows int64 [k] sorted and unique, their
+        pattern uint8 [k, row_bytes], their scale pattern uint8 [k, sf_row_bytes] or None). The rows are
+        the first, the middle and the last of the layer and PROBE_SEEDED_ROWS seeded ones; every rank
+        derives every peer's plan from the peer's nonce."""
         generator = torch.Generator().manual_seed(nonce)
-        return torch.randint(0, 256, (2, PROBE_BYTES), dtype=torch.uint8, generator=generator)
+        plan = []
+        for n in self.num_entries_per_layer:
+            seeded = torch.randint(0, n, (PROBE_SEEDED_ROWS,), generator=generator)
+            rows = torch.unique(torch.cat([torch.tensor([0, n // 2, n - 1]), seeded]))
+            data = torch.randint(0, 256, (rows.numel(), self.layout.row_bytes), dtype=torch.uint8, generator=generator)
+            sf = torch.randint(0, 256, (rows.numel(), self.layout.sf_row_bytes), dtype=torch.uint8, generator=generator) if self.use_fp8 else None
+            plan.append((rows, data, sf))
+        return plan
+
+    def _gather_probe(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Global ids int32 [layers, k] -> (row bytes uint8 [layers, k, row_bytes], scale bytes uint8
+        [layers, k, sf_row_bytes] or None), read by the gather fetch and read_global_rows use: the Triton
+        kernel over this buffer's own shard table, else the CPU/fixed-shape gather over its own views."""
+        layers, k = ids.shape
+        out = torch.empty((layers, k, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
+        sf = torch.empty((layers, k, self.layout.sf_row_bytes), dtype=torch.uint8, device=self.device) if self.use_fp8 else None
+        if self.gather_mode == "triton":
+            packs = self.num_sf_packs
+            self._launch(ids, self._meta, out, sf, 1, (k * packs, packs, 1))
+        else:
+            for layer in range(layers):
+                self._gather(layer, ids[layer], out[layer], None if sf is None else sf[layer])
+        return out, sf
 
     def _peer_read_problem(self) -> str | None:
-        """Collective, once at start: every rank writes a pattern of its own (from a nonce it shares) into
-        the first and the last PROBE_BYTES of its shard; every rank reads every peer's two spots through
-        the mapping fetch reads them with (the one range on CPU shared memory, else its view of that
-        peer: a CUDA IPC mapping); the ranks gather how many bytes each read wrong, put the saved bytes
-        back, and all return the same text naming the pairs when any byte was wrong (None when none was).
-        A mapping of the wrong memory, of memory the peer's writes never reach, or at an offset, fails
-        here instead of serving wrong rows."""
+        """Collective, once at start: every rank writes random probe rows (first, middle, last and seeded
+        rows of every layer, table rows and scale rows, from a nonce it shares) into its own shard; every
+        rank reads every rank's probe rows back through the product's own gather (`_gather_probe`: the
+        Triton kernel and its shard table on CUDA, the CPU fetch's views on the CPU), so a pointer table
+        or a mapping that is wrong anywhere the probes land (a partial mapping, an offset, other memory)
+        fails here instead of serving wrong rows. The ranks put the saved rows back, gather how many
+        probe rows each read wrong, and all return the same text naming the pairs (None when none was)."""
         if self.num_ranks == 1:
             return None
-        memory = self._memory
-        spots = (0, self.num_bytes - PROBE_BYTES)
         nonces = [row[0] for row in all_gather_int64(self.group, [secrets.randbits(62)], self._coll_device)]
-        local = memory.local
-        saved = torch.stack([local[s : s + PROBE_BYTES] for s in spots]).clone()
-        mine = self._probe_pattern(nonces[self.rank_idx]).to(local.device)
-        for i, s in enumerate(spots):
-            local[s : s + PROBE_BYTES].copy_(mine[i])
+        plans = [self._probe_plan(nonce) for nonce in nonces]
+        own_tables = self._tables[self.rank_idx]
+        own_sfs = self._sfs[self.rank_idx] if self.use_fp8 else None
+        saved = []
+        for layer, (rows, data, sf) in enumerate(plans[self.rank_idx]):
+            rows = rows.to(self.device)
+            saved.append((rows, own_tables[layer].index_select(0, rows), own_sfs[layer].index_select(0, rows) if own_sfs is not None else None))
+            own_tables[layer].index_copy_(0, rows, data.to(self.device))
+            if own_sfs is not None:
+                own_sfs[layer].index_copy_(0, rows, sf.to(self.device))
         barrier(self.group, self._coll_device, self.device)
-        wrong = []
+        # One read of every rank's probe rows, all layers at once; layers with fewer probes pad with -1.
+        width = max(sum(plan[layer][0].numel() for plan in plans) for layer in range(self.num_layers))
+        ids = torch.full((self.num_layers, width), -1, dtype=torch.int32)
+        owner = torch.full((self.num_layers, width), -1, dtype=torch.int64)
+        local = torch.zeros((self.num_layers, width), dtype=torch.int64)
+        expected = torch.zeros((self.num_layers, width, self.layout.row_bytes), dtype=torch.uint8)
+        expected_sf = torch.zeros((self.num_layers, width, self.layout.sf_row_bytes), dtype=torch.uint8) if self.use_fp8 else None
+        for layer, n in enumerate(self.num_entries_per_layer):
+            at = 0
+            for peer, plan in enumerate(plans):
+                rows, data, sf = plan[layer]
+                k = rows.numel()
+                ids[layer, at : at + k] = (rows + peer * n).to(torch.int32)
+                owner[layer, at : at + k] = peer
+                local[layer, at : at + k] = rows
+                expected[layer, at : at + k] = data
+                if expected_sf is not None:
+                    expected_sf[layer, at : at + k] = sf
+                at += k
+        got, got_sf = self._gather_probe(ids.to(self.device))
+        wrong_rows = (got.cpu() != expected).any(dim=-1)
+        if got_sf is not None:
+            wrong_rows |= (got_sf.cpu() != expected_sf).any(dim=-1)
+        barrier(self.group, self._coll_device, self.device)  # every rank has read before any puts its rows back
+        for layer, (rows, table_rows, sf_rows) in enumerate(saved):
+            own_tables[layer].index_copy_(0, rows, table_rows)
+            if sf_rows is not None:
+                own_sfs[layer].index_copy_(0, rows, sf_rows)
+        mine = []  # per owner: rows read wrong, and the first one (layer, local row; -1 when none)
         for peer in range(self.num_ranks):
-            if memory.unified is not None:
-                base = peer * memory.stride
-                seen = [memory.unified[base + s : base + s + PROBE_BYTES] for s in spots]
-            else:
-                seen = [memory.peers[peer][s : s + PROBE_BYTES] for s in spots]
-            wrong.append(int((torch.stack(seen).cpu() != self._probe_pattern(nonces[peer])).sum()))
-        barrier(self.group, self._coll_device, self.device)  # every rank has read before any puts its bytes back
-        for i, s in enumerate(spots):
-            local[s : s + PROBE_BYTES].copy_(saved[i])
-        reports = all_gather_int64(self.group, wrong, self._coll_device)
-        bad = [f"rank {reader} read {n} of {2 * PROBE_BYTES} bytes of rank {owner}'s shard wrong"
-               for reader, row in enumerate(reports) for owner, n in enumerate(row) if n]
+            hits = torch.nonzero(wrong_rows & (owner == peer))
+            first = hits[0].tolist() if hits.numel() else None
+            mine += [hits.shape[0], first[0] if first else -1, int(local[first[0], first[1]]) if first else -1]
+        reports = all_gather_int64(self.group, mine, self._coll_device)
+        totals = [sum(plan[layer][0].numel() for layer in range(self.num_layers)) for plan in plans]
+        bad = [f"rank {reader} read {row[3 * owner_rank]} of {totals[owner_rank]} probe rows of rank {owner_rank}'s shard wrong "
+               f"(the first: layer {row[3 * owner_rank + 1]}, row {row[3 * owner_rank + 2]})"
+               for reader, row in enumerate(reports) for owner_rank in range(self.num_ranks) if row[3 * owner_rank]]
         if not bad:
             return None
         return (f"the engram shards are not shared correctly between the {self.num_ranks} ranks: {'; '.join(bad)} "
-                f"(each rank wrote a pattern into its own shard and read its peers' back through its mappings of them)")
+                f"(each rank wrote probe rows over its own shard and read every rank's back through the gather that fetch uses)")
 
     def _build_views(self) -> None:
         layout, memory = self.layout, self._memory

@@ -414,8 +414,44 @@ class EngramMemory:
             rows[live] = fetched[layer].to(rows.device)
             rows = rows[p.rows]
             per_stream.append(rows)
-            values.append(combine(rows, p.stream.width))
+            v = combine(rows, p.stream.width)
+            self._check_value_finite(v, rows, layer, p)
+            values.append(v)
         return placed, values, per_stream
+
+    def _where(self) -> str:
+        """The memory as messages name it: its table file when it came from one, else its name."""
+        return self.source or self.name
+
+    def _check_value_finite(self, v: torch.Tensor, rows: torch.Tensor, layer: int, p: StreamTokens) -> None:
+        """Refuse a combined value v [n, width] that is not finite though every fetched row is (the store
+        checks each row): rows as large as bf16 allows (about 3.4e38) overflow when summed."""
+        finite = torch.isfinite(v).all(dim=1)
+        if bool(finite.all()):
+            return
+        bad = (~finite).nonzero().reshape(-1)
+        positions = ", ".join(str(p.row_start + int(i)) for i in bad[:5]) + (", ..." if bad.numel() > 5 else "")
+        largest = float(rows[bad].abs().max())
+        raise EngramMemoryError(
+            f"{self._where()}: layer {layer} (stream {p.stream.name}): the memory's value for {bad.numel()} token(s) "
+            f"(conditioning rows {positions}) is not finite: the sum of their fetched rows overflows (each row is finite, "
+            f"the largest value {largest:.3g}), so it cannot be injected. The memory's file is damaged or was edited; "
+            "load a good copy of it")
+
+    def _check_injected_finite(self, cond: torch.Tensor, out: torch.Tensor, placed: Sequence[StreamTokens],
+                               values: Sequence[torch.Tensor], strength: float) -> None:
+        """Refuse conditioning that injecting made non-finite where the input conditioning was finite."""
+        for layer, (p, v) in enumerate(zip(placed, values)):
+            touched = (v != 0).to(out.device)
+            if not bool(touched.any()):
+                continue
+            before, after = cond[:, p.rows, p.cols], out[:, p.rows, p.cols]
+            broken = touched.expand_as(after) & ~torch.isfinite(after) & torch.isfinite(before)
+            if bool(broken.any()):
+                raise EngramMemoryError(
+                    f"{self._where()}: layer {layer} (stream {p.stream.name}): injecting the memory with strength {strength:g} "
+                    f"makes {int(broken.sum())} conditioning value(s) infinite or NaN ({after.dtype} overflows); the "
+                    f"memory's values reach {float(v.abs().max()):.3g}: use a lower strength, or a memory with smaller values")
 
     def apply(self, cond: torch.Tensor, tokens: Mapping[str, Any], strength: float = 1.0, gate: bool | None = None,
               looked_up: tuple | None = None) -> torch.Tensor:
@@ -423,7 +459,9 @@ class EngramMemory:
         `looked_up`: what `values(tokens)` (or a `prefetch(tokens)`) returned, to skip the lookup."""
         placed, values, _ = looked_up if looked_up is not None else self.values(tokens)
         self._check_cond(cond, placed)
-        return inject(cond, placed, values, strength, self.config.gate if gate is None else gate)
+        out = inject(cond, placed, values, strength, self.config.gate if gate is None else gate)
+        self._check_injected_finite(cond, out, placed, values, strength)
+        return out
 
     def hits(self, tokens: Mapping[str, Any], looked_up: tuple | None = None) -> list[Hit]:
         placed, values, fetched = looked_up if looked_up is not None else self.values(tokens)

@@ -158,6 +158,7 @@ def run_worker(rank: int, conn: Connection, config: dict) -> int:
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     from .allocators import ShardSharingError
     from .buffer import LocalEngramBuffer
+    from .cuda_ipc import CudaIpcError
 
     try:
         group, _store = make_process_group(config, rank)
@@ -179,8 +180,10 @@ def run_worker(rank: int, conn: Connection, config: dict) -> int:
         try:
             text = f"engram worker {rank} failed to start: {type(e).__name__}: {e}"
             # Plain types only: this module runs under a package name the host does not have. A shard
-            # that could not be shared gets its own status (the host raises ShardSharingError for it).
-            conn.send(("sharing_error", text) if isinstance(e, ShardSharingError) else ("error", RuntimeError(text)))
+            # that could not be shared (or whose CUDA driver calls for shard memory failed) gets its own
+            # status: the host raises ShardSharingError for it, which the nodes serve from the host tier.
+            sharing = isinstance(e, (ShardSharingError, CudaIpcError))
+            conn.send(("sharing_error", text) if sharing else ("error", RuntimeError(text)))
         except OSError:
             pass
         return 2

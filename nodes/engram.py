@@ -204,24 +204,29 @@ def _new_host_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype) -> HostR
 
 def sharing_failed(error: BaseException, cuda: bool) -> bool:
     """Whether a device group failed to start because its ranks could not share their shards: a failed
-    readback check or IPC exchange (ShardSharingError) anywhere in the error's chain; for CUDA ranks
-    also the driver library (CudaIpcError) or a worker process that could not start on its GPU."""
+    start check or IPC exchange (ShardSharingError) anywhere in the error's chain (a worker whose shard
+    could not be shared reports it as one, see engram/worker.py); for CUDA ranks also a failed driver call
+    for the shard memory (CudaIpcError). A worker that crashed, froze, timed out or failed otherwise is
+    no sharing failure, on CUDA as on the CPU: its error stands."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, ShardSharingError) or (cuda and isinstance(error, (CudaIpcError, EngramWorkerError))):
+        if isinstance(error, ShardSharingError) or (cuda and isinstance(error, CudaIpcError)):
             return True
         error = error.__cause__ or error.__context__
     return False
 
 
-def _group_or_host(start, ranks: int, kind: str, host):
+def _group_or_host(start, ranks: int, kind: str, host, name: str | None = None):
     """`start()`'s device group; when its ranks could not share their shards, the host tier (`host()`)
-    instead, marked with why (the summary says it), so the prompt goes on."""
+    instead, marked with why (the summary says it), so the prompt goes on. A worker that failed
+    otherwise fails the node with an EngramWorkerError naming the memory (`name`) and the rank."""
     try:
         return start()
     except Exception as e:
         if not sharing_failed(e, kind == "CUDA"):
+            if isinstance(e, EngramWorkerError) and name is not None:
+                raise EngramWorkerError(f"{name} could not start its {ranks} {kind} rank(s): {e}", e.rank, e.exitcode, e.state) from e
             raise
         reason = f"{ranks} {kind} rank(s): {e}"
         logger.warning("engram: the memory could not be sharded over %s; it is on the host tier instead", reason)
@@ -231,9 +236,10 @@ def _group_or_host(start, ranks: int, kind: str, host):
 
 
 def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int, gpu_ranks: int = 0,
-                placement: str = "device", host=None):
+                placement: str = "device", host=None, name: str | None = None):
     """The memory's RowStore. `host`: what serves it when a group's ranks cannot share their shards (a
-    new shared-memory segment by default; Load passes the table file mapped)."""
+    new shared-memory segment by default; Load passes the table file mapped). `name`: the memory, as
+    errors name it."""
     host = host or (lambda: _new_host_store(rows_per_layer_fn, hidden, dtype))
     if placement == "host":
         return _new_host_store(rows_per_layer_fn, hidden, dtype)
@@ -242,7 +248,7 @@ def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str
 
         ranks = len(cuda_rank_devices(gpu_ranks, torch.cuda.device_count()))
         return _group_or_host(lambda: EngramGroup(rows_per_layer_fn(ranks), hidden, dtype, num_ranks=ranks, device="cuda"),
-                              ranks, "CUDA", host)
+                              ranks, "CUDA", host, name)
     from ..engram.group import EngramGroup, check_cpu_memory
 
     # Refused, with the figures, before anything is allocated or started (EngramGroup checks too).
@@ -250,7 +256,7 @@ def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str
     if cpu_ranks == 1:
         return LocalRowStore(rows_per_layer_fn(1), hidden, dtype)
     return _group_or_host(lambda: EngramGroup(rows_per_layer_fn(cpu_ranks), hidden, dtype, num_ranks=cpu_ranks, device="cpu"),
-                          cpu_ranks, "CPU", host)
+                          cpu_ranks, "CPU", host, name)
 
 
 _GPU_RANKS_TOOLTIP = ("CUDA processes holding the shards when devices = auto finds a GPU. 0: one per GPU. N: N processes "
@@ -342,7 +348,8 @@ class NewEngramMemory(io.ComfyNode):
             return _adopt(memory, node_id, key)
 
         def make():
-            store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks, placement)
+            store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks, placement,
+                                name=f"the memory of New Engram Memory (node {node_id})")
             try:
                 # A cancel that arrived while the tables were built: drop them (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
@@ -447,7 +454,7 @@ class LoadEngramMemory(io.ComfyNode):
                 store = HostRowStore.from_table_file(path)
             else:
                 store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks,
-                                    host=lambda: HostRowStore.from_table_file(path))
+                                    host=lambda: HostRowStore.from_table_file(path), name=f"the memory {memory_name}")
             try:
                 # A cancel before or during the load: drop the tables (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
@@ -559,6 +566,16 @@ def _finite_input(node: str, name: str, value, low: float, high: float) -> float
     return number
 
 
+def _finite_conditioning(cond, what: str):
+    """`cond` (a CONDITIONING tensor), refused with an error naming `what` (the node and its input) when
+    it holds NaN or inf: written into the memory it would make every later prompt's conditioning NaN."""
+    if isinstance(cond, torch.Tensor) and cond.is_floating_point() and not bool(torch.isfinite(cond).all()):
+        bad = int((~torch.isfinite(cond)).sum())
+        raise EngramMemoryError(f"{what} holds NaN or infinite values ({bad} of {cond.numel()}); nothing was written "
+                                "into the memory. Give a finite conditioning")
+    return cond
+
+
 def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dict, strength: float, looked_up: tuple | None = None) -> list:
     out = []
     for cond, extra in conditioning:
@@ -658,11 +675,12 @@ class EngramMemorize(io.ComfyNode):
         with _serving("Engram Memorize", memory):
             _bind(memory, clip)
             tokens = _tokenize(clip, text)
-            base = _encode(clip, tokens)[0][0]
+            base = _finite_conditioning(_encode(clip, tokens)[0][0], "Engram Memorize: the conditioning `clip` makes of input 'text'")
             if target is not None:
-                target_cond = target[0][0]
+                target_cond = _finite_conditioning(target[0][0], "Engram Memorize: input 'target' (the target conditioning)")
             elif target_text.strip():
-                target_cond = _encode(clip, _tokenize(clip, target_text))[0][0]
+                target_cond = _finite_conditioning(_encode(clip, _tokenize(clip, target_text))[0][0],
+                                                   "Engram Memorize: the conditioning `clip` makes of input 'target_text'")
             else:
                 raise EngramMemoryError("give a target: connect a target CONDITIONING or write a target_text")
             written = memory.memorize(tokens, base, target_cond)
@@ -752,6 +770,12 @@ def _read_pairs(path: str, cancel=lambda: None) -> list[dict]:
             except json.JSONDecodeError as exc:
                 broken_line(f"line {number}: not JSON ({exc.msg})")
                 continue
+            except RecursionError:
+                broken_line(f"line {number}: JSON nested too deeply to read (a pair is one flat object)")
+                continue
+            except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+                broken_line(f"line {number}: JSON this reader cannot take ({str(exc).split(';')[0]})")
+                continue
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
                 broken_line(f"line {number}: needs a string \"prompt\"")
                 continue
@@ -840,12 +864,13 @@ class EngramTrain(io.ComfyNode):
         examples = []
         for item in pairs:
             comfy.model_management.throw_exception_if_processing_interrupted()
+            line = f"Engram Train: {name} line {item['line']}"
             tokens = _tokenize(clip, item["prompt"])
-            base = _encode(clip, tokens)[0][0]
+            base = _finite_conditioning(_encode(clip, tokens)[0][0], f"{line}: the conditioning of \"prompt\"")
             if isinstance(item.get("target"), str):
-                target = _encode(clip, _tokenize(clip, item["target"]))[0][0]
+                target = _finite_conditioning(_encode(clip, _tokenize(clip, item["target"]))[0][0], f"{line}: the conditioning of \"target\"")
             else:
-                where = f"Engram Train: {name} line {item['line']}: target_conditioning"
+                where = f"{line}: target_conditioning"
                 cond_path = _inside_input(item["target_conditioning"], where, relative_to=os.path.dirname(path))
                 try:
                     target = comfy.utils.load_torch_file(cond_path, safe_load=True)["cond"]
@@ -853,6 +878,7 @@ class EngramTrain(io.ComfyNode):
                     raise ValueError(f"{where}: cannot read key 'cond' of {item['target_conditioning']}: {exc}") from exc
                 if target.dim() == 2:
                     target = target.unsqueeze(0)
+                _finite_conditioning(target, f"{where} {item['target_conditioning']!r} (key 'cond')")
             # Each pair becomes its examples at once (only its streams' columns), so the whole CONDITIONING
             # of every pair is never held together.
             examples.extend(memory.examples([(tokens, base, target)]))

@@ -39,7 +39,8 @@ from comfy_api.latest import io
 
 from ..quant import ComputeConfig, QuantizedTensor, formats, save
 from ..quant.compute import Book, book_for_file, default_book
-from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, quantize_module
+from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, MAX_KEEP_PATTERN_CHARS, MAX_KEEP_PATTERNS, quantize_module
+from ..quant.quantize_model import keep_patterns as compile_keep_patterns
 from . import CATEGORY, NODE_ID_PREFIX
 from .ops import make_fp8_ops, release_workspace_on_unload
 
@@ -206,8 +207,8 @@ def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict
     return s
 
 
-def _ops(cfg, patch_rounding):
-    return make_fp8_ops(cfg, stochastic_rounding=(patch_rounding == "stochastic"))
+def _ops(cfg, patch_rounding, source: str | None = None):
+    return make_fp8_ops(cfg, stochastic_rounding=(patch_rounding == "stochastic"), source=source)
 
 
 class LoadFP8DiffusionModel(io.ComfyNode):
@@ -233,7 +234,7 @@ class LoadFP8DiffusionModel(io.ComfyNode):
                 fast_paths=FAST_PATHS[0]) -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
         header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
-        ops = _ops(cfg, patch_rounding)
+        ops = _ops(cfg, patch_rounding, f"diffusion_models/{unet_name}")
         options = {"custom_operations": ops}
         if cfg.compute_dtype is not None:
             options["dtype"] = cfg.compute_dtype
@@ -274,7 +275,7 @@ class LoadFP8Checkpoint(io.ComfyNode):
         for k in list(sd):
             if k.startswith(VAE_PREFIXES) and isinstance(sd[k], QuantizedTensor):
                 sd[k] = sd[k].dequantize()
-        ops = _ops(cfg, patch_rounding)
+        ops = _ops(cfg, patch_rounding, f"checkpoints/{ckpt_name}")
         out = comfy.sd.load_state_dict_guess_config(
             sd, output_vae=True, output_clip=True, embedding_directory=folder_paths.get_folder_paths("embeddings"),
             model_options={"custom_operations": ops}, te_model_options={"custom_operations": ops}, metadata=metadata)
@@ -316,7 +317,7 @@ class LoadFP8TextEncoder(io.ComfyNode):
         cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
         header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
         clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
-        ops = _ops(cfg, patch_rounding)
+        ops = _ops(cfg, patch_rounding, f"text_encoders/{clip_name}")
         clip = comfy.sd.load_text_encoder_state_dicts(
             [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
             model_options={"custom_operations": ops})
@@ -409,7 +410,11 @@ class QuantizeModelToFP8(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, granularity, fp8_dtype, keep_patterns) -> io.NodeOutput:
-        keep = [p.strip() for p in keep_patterns.replace("\n", ",").split(",") if p.strip()]
+        what = "Quantize Model to FP8: input 'keep_patterns'"
+        if len(keep_patterns) > MAX_KEEP_PATTERNS * (MAX_KEEP_PATTERN_CHARS + 2):
+            raise ValueError(f"{what} has {len(keep_patterns)} characters; give at most {MAX_KEEP_PATTERNS} patterns of "
+                             f"at most {MAX_KEEP_PATTERN_CHARS} characters each")
+        keep = compile_keep_patterns([p.strip() for p in keep_patterns.replace("\n", ",").split(",") if p.strip()], what)
         diffusion = model.get_model_object("diffusion_model")
         new, report = quantize_module(diffusion, granularity=granularity, fp8_dtype=fp8_dtype, keep=keep,
                                       progress=_progress_fn(), weight_of=_own_weights(model))

@@ -27,6 +27,7 @@ import torch
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
 from ..quant.compute import int8 as quant_int8
+from ..quant.errors import QuantizationError
 from ..quant.layouts import mxfp8, nvfp4
 from ..quant.runtime import release_workspace
 
@@ -52,9 +53,10 @@ def move_quantized(w: QuantizedTensor, device) -> QuantizedTensor:
 
 
 def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bool = False,
-                 base=comfy.ops.manual_cast):
+                 base=comfy.ops.manual_cast, source: str | None = None):
     """A new operations class (subclass of `base`) for one load. `config` is attached to quantized
-    weights that come without one; `stochastic_rounding` applies to requantization after patches."""
+    weights that come without one; `stochastic_rounding` applies to requantization after patches;
+    `source` names the file being loaded in errors."""
     cfg = config or ComputeConfig()
     sr = bool(stochastic_rounding)
     # the int8 path converts FP8 weights once, here, for the device the model will run on
@@ -71,6 +73,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
         fp8_stochastic_rounding = sr
         int8_convert = to_int8
         int8_layers: list = []  # (layer, conversion SQNR dB) of this load, for the load report
+        fp8_source = source
 
         class Linear(base.Linear):
             def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
@@ -102,7 +105,15 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                             w = w.with_config(FP8Ops.fp8_config)
                         if (FP8Ops.int8_convert and w.config.path != "weight_only" and w.qdata.dim() == 2
                                 and not quant_int8.is_int8(w)):
-                            w8 = quant_int8.to_int8(w, None if w.config.int8_rotation else 0)
+                            try:
+                                w8 = quant_int8.to_int8(w, None if w.config.int8_rotation else 0)
+                            except QuantizationError as exc:
+                                # e.g. scales so near float32's range that the rotated weight overflows
+                                where = f"{FP8Ops.fp8_source}: " if FP8Ops.fp8_source else ""
+                                raise QuantizationError(
+                                    f"{where}layer {prefix.rstrip('.')!r} ({w.layout!r}): its weight cannot be converted "
+                                    f"to int8 for the int8 compute path ({exc}); load the file with compute_path "
+                                    "weight-only") from exc
                             FP8Ops.int8_layers.append((prefix.rstrip("."), quant_int8.conversion_sqnr_db(w, w8)))
                             w = w8
                         if self.factory_device is not None:

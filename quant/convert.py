@@ -23,7 +23,7 @@ import torch
 
 from . import formats, save
 from .tensor import QuantizedTensor
-from .quantize_model import DEFAULT_KEEP, GRANULARITIES, fit_layout, fp8_dtype_from_name, keep_reason, make_layout, sqnr_db
+from .quantize_model import DEFAULT_KEEP, GRANULARITIES, fit_layout, fp8_dtype_from_name, keep_patterns, keep_reason, make_layout, sqnr_db
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def convert_file(src, dst, *, granularity: str = "tensor", fp8_dtype="e4m3fn", k
     """Convert `src` into `dst`. Returns (save result, {layer: SQNR dB vs. the source's values})."""
     fp8 = fp8_dtype_from_name(fp8_dtype)
     layout = make_layout(granularity, block)
-    keep = tuple(keep)
+    keep = keep_patterns(keep, "--keep")
     if not overwrite and os.path.exists(dst):
         raise FileExistsError(f"{dst}: file exists; pass --overwrite or choose another name")
     sd, report = formats.load_file(src, mmap=True)  # a script: the file stays put, and big models need not fit in RAM

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -76,10 +77,47 @@ def make_layout(granularity: str, block: tuple[int, int] = (128, 128), shape=Non
     return layout_for(granularity, block, shape)
 
 
-def keep_reason(name: str, keep: Iterable[str]) -> str | None:
-    for pat in keep:
-        if fnmatch.fnmatchcase(name, pat) or fnmatch.fnmatchcase(name + ".weight", pat):
-            return pat
+# Bounds of keep patterns: fnmatch's translation of a glob into a regular expression takes time
+# quadratic in its brackets (20,000 '[' took seconds), and layer names are a few dozen characters.
+MAX_KEEP_PATTERNS = 256
+MAX_KEEP_PATTERN_CHARS = 256
+
+
+@dataclass(frozen=True)
+class KeepPattern:
+    """A keep glob and its regular expression, translated once (matching is then one regex match)."""
+
+    glob: str
+    regex: re.Pattern
+
+    def matches(self, name: str) -> bool:
+        return self.regex.match(name) is not None or self.regex.match(name + ".weight") is not None
+
+
+def keep_patterns(keep: Iterable[str | KeepPattern], what: str = "keep patterns") -> tuple[KeepPattern, ...]:
+    """The keep globs checked and translated once. ValueError naming `what` (the input they came from)
+    when there are more than MAX_KEEP_PATTERNS or one is longer than MAX_KEEP_PATTERN_CHARS."""
+    out = []
+    for i, pat in enumerate(keep):
+        if i >= MAX_KEEP_PATTERNS:
+            raise ValueError(f"{what}: more than {MAX_KEEP_PATTERNS} patterns; use wildcards (*, ?) to cover many layers")
+        if isinstance(pat, KeepPattern):
+            out.append(pat)
+            continue
+        if not isinstance(pat, str):
+            raise ValueError(f"{what}: pattern {i + 1} is a {type(pat).__name__}, not text")
+        if len(pat) > MAX_KEEP_PATTERN_CHARS:
+            raise ValueError(f"{what}: pattern {i + 1} ({pat[:32]!r}...) has {len(pat)} characters; a keep pattern may "
+                             f"have at most {MAX_KEEP_PATTERN_CHARS} (layer names are far shorter)")
+        out.append(KeepPattern(pat, re.compile(fnmatch.translate(pat))))
+    return tuple(out)
+
+
+def keep_reason(name: str, keep: Iterable[str | KeepPattern]) -> str | None:
+    """The first keep pattern matching layer `name` (or `name`.weight); None when none does."""
+    for pat in keep_patterns(keep):  # translated once where the caller passes keep_patterns(...)
+        if pat.matches(name):
+            return pat.glob
     return None
 
 
@@ -202,7 +240,7 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
     """
     fp8 = fp8_dtype_from_name(fp8_dtype)
     layout = make_layout(granularity, block)
-    keep = tuple(keep)
+    keep = keep_patterns(keep)
     report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
                             _element_name(granularity, layout, fp8))
     out: dict[str, torch.Tensor] = {}
@@ -243,7 +281,7 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
     """
     fp8 = fp8_dtype_from_name(fp8_dtype)
     layout = make_layout(granularity, block)
-    keep = tuple(keep)
+    keep = keep_patterns(keep)
     report = QuantizeReport(granularity if granularity != "block" else f"block {block[0]}x{block[1]}",
                             _element_name(granularity, layout, fp8))
     linears = [(n, m) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) or _looks_linear(m)]
@@ -277,4 +315,4 @@ def _looks_linear(m: torch.nn.Module) -> bool:
 
 
 __all__ = ["DEFAULT_KEEP", "GRANULARITIES", "INT8_GRANULARITIES", "fit_layout", "LayerQuality", "QuantizeReport", "quantize_state_dict", "quantize_module",
-           "quantize_weight", "sqnr_db", "keep_reason", "make_layout", "fp8_dtype_from_name", "is_linear_weight"]
+           "quantize_weight", "sqnr_db", "keep_reason", "keep_patterns", "KeepPattern", "make_layout", "fp8_dtype_from_name", "is_linear_weight"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -97,34 +98,85 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+MAX_TOKENS = 1 << 17  # the longest token count a run proves (a long video model's sequence)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _device(text: str) -> torch.device:
+    """--device: cpu, or a CUDA GPU torch sees here (cuda, cuda:N)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device ({exc})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the selftest runs on cpu or cuda[:N], not on {device.type}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: torch sees {count or 'no'} CUDA GPU(s) here")
+    return device
+
+
+def _tokens(text: str) -> tuple[int, ...]:
+    """--tokens: comma-separated whole numbers from 1 to MAX_TOKENS."""
+    parts = [t.strip() for t in text.split(",")]
+    if not parts or any(not t.isdigit() or not t.isascii() for t in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated whole numbers of tokens, like 16,256")
+    counts = tuple(int(t) for t in parts)
+    if any(not 1 <= m <= MAX_TOKENS for m in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each token count must be from 1 to {MAX_TOKENS}")
+    return counts
+
+
+def _models(text: str) -> list[str]:
+    """--models: comma-separated names of SHAPES."""
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in models if m not in SHAPES]
+    if unknown or not models:
+        raise argparse.ArgumentTypeError(f"unknown model(s) {unknown or [text]}; choose from {list(SHAPES)}")
+    return models
+
+
+def _print_report(text: str) -> int:
+    """Write the report to stdout; a stdout that cannot take it (a full disk, a closed pipe) is one line
+    on stderr and exit status 1, not a traceback."""
+    try:
+        _say(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        try:  # what is left in stdout's buffer would fail again at exit: send it nowhere
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        sys.stderr.write(f"python -m fp8_engram.quant.selftest: cannot write the report to stdout: "
+                         f"{exc.strerror or exc}\n")
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fp8_engram.quant.selftest", description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap = _Parser(prog="python -m fp8_engram.quant.selftest", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", type=_device, default="cuda:0" if torch.cuda.is_available() else "cpu",
+                    help="cpu, or cuda[:N] (default: cuda:0 where there is a GPU)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
-    ap.add_argument("--tokens", default=None, help="comma-separated token counts (default: by device)")
-    ap.add_argument("--models", default="flux,wan,sd3", help=f"any of {','.join(SHAPES)}")
+    ap.add_argument("--tokens", type=_tokens, default=None,
+                    help=f"comma-separated token counts from 1 to {MAX_TOKENS} (default: by device)")
+    ap.add_argument("--models", type=_models, default="flux,wan,sd3", help=f"any of {','.join(SHAPES)}")
     ap.add_argument("--cache", default=None, help="a verdict file to read and add to (default: none)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as exc:
-        ap.error(f"--device {args.device!r}: {exc}")
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        ap.error(f"--device {args.device}: torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} "
-                 f"CUDA GPU(s) here")
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in SHAPES]
-    if unknown:
-        ap.error(f"unknown model(s) {unknown}; choose from {list(SHAPES)}")
-    try:
-        tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else DEFAULT_TOKENS.get(
-            device.type, DEFAULT_TOKENS["cuda"])
-    except ValueError:
-        ap.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
-    report = run(device, models, tokens, args.cache)
-    _say(json.dumps(report, indent=1) if args.json else table(report))
-    return 0
+    device = args.device
+    tokens = args.tokens or DEFAULT_TOKENS.get(device.type, DEFAULT_TOKENS["cuda"])
+    report = run(device, args.models, tokens, args.cache)
+    return _print_report(json.dumps(report, indent=1) if args.json else table(report))
 
 
 if __name__ == "__main__":

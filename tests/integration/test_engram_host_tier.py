@@ -6,6 +6,7 @@ Encode on a host memory."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from helpers.engram_tables import nan_rows_copy
@@ -212,3 +213,72 @@ def test_a_group_whose_ranks_cannot_read_each_other_falls_back_to_the_host_tier(
             _make_store(rows, 64, torch.bfloat16, "cpu", 2)
     finally:
         buffer_module.set_shard_allocator(None)
+
+
+def test_a_crashed_cuda_worker_fails_the_node_naming_the_memory_and_the_rank(monkeypatch):
+    """In process, without a GPU, through the nodes' own store factory with CUDA reported present: the
+    group of 2 CUDA ranks it starts loses its worker (a real CPU group whose worker is killed with
+    SIGKILL, so the group's supervision raises the EngramWorkerError a CUDA group raises). A crash is no
+    sharing failure: the memory is not put on the host tier, the error names the memory and rank 1.
+    The policy fed the real exception types: a worker that failed because its shard could not be shared
+    (ShardSharingError in its chain) and a CUDA driver call (CudaIpcError) still fall back."""
+    import signal
+    import time
+
+    import torch
+    from helpers.host import comfy_in_process
+
+    comfy_in_process()
+    from fp8_engram.engram import group as group_module
+    from fp8_engram.engram.allocators import ShardSharingError
+    from fp8_engram.engram.cuda_ipc import CudaIpcError
+    from fp8_engram.engram.group import EngramWorkerError
+    from fp8_engram.nodes.engram import _make_store, sharing_failed
+
+    real_group = group_module.EngramGroup
+    started = []
+
+    def group_whose_worker_crashes(rows, hidden, dtype, *, num_ranks, device):
+        assert device == "cuda", device
+        group = real_group(rows, hidden, dtype, num_ranks=num_ranks, device="cpu", timeout=60)
+        try:
+            pid = group.worker_pids[0]
+            started.append(pid)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while group.alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+            group.check()  # raises the supervision's EngramWorkerError (rank 1, killed by signal 9)
+        finally:
+            group.close()
+        return group
+
+    host_used = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(group_module, "EngramGroup", group_whose_worker_crashes)
+    rows = lambda ranks: [-(-n // ranks) * ranks for n in (300, 120)]  # noqa: E731 - as MemoryConfig pads them
+    name = "the memory of New Engram Memory (node 7)"
+    with pytest.raises(EngramWorkerError) as info:
+        _make_store(rows, 64, torch.bfloat16, "auto", 1, 2, host=lambda: host_used.append(1), name=name)
+    assert started, "the store factory did not start a CUDA group"
+    assert not host_used, "a crashed worker was taken for a sharing failure and the memory put on the host tier"
+    message = str(info.value)
+    assert message.startswith(f"{name} could not start its 2 CUDA rank(s)"), message
+    assert "engram worker rank 1" in message and "killed by signal 9" in message, message
+    assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
+
+    crashed = EngramWorkerError("engram worker rank 1 (pid 5) died (killed by signal 11); cannot fetch rows", 1, -11)
+    frozen = EngramWorkerError("engram worker rank 2 did not answer within 60 s (start)", 2, state="unresponsive")
+    failed = EngramWorkerError("engram worker rank 1 failed to start: RuntimeError: CUDA error: out of memory", 1)
+    for error in (crashed, frozen, failed):
+        assert not sharing_failed(error, cuda=True), error
+    try:
+        try:
+            raise ShardSharingError("engram worker 1 failed to start: rank 1 could not open the CUDA shard of rank 0")
+        except ShardSharingError as why:
+            raise EngramWorkerError("engram worker rank 1 (pid 5) died (exit code 2); cannot start the engram group", 1, 2) from why
+    except EngramWorkerError as died_of_sharing:
+        assert sharing_failed(died_of_sharing, cuda=True)
+    assert sharing_failed(CudaIpcError("cuIpcOpenMemHandle failed: invalid handle"), cuda=True)
+    assert not sharing_failed(CudaIpcError("cuIpcOpenMemHandle failed"), cuda=False)

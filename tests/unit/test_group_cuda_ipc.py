@@ -335,7 +335,7 @@ BUFFER_SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from fp8_engram.engram import allocators, cuda_ipc
-    from fp8_engram.engram.buffer import PROBE_BYTES, LocalEngramBuffer
+    from fp8_engram.engram.buffer import LocalEngramBuffer
     from fp8_engram.engram.worker import gloo_group
     cuda_ipc._LIBRARY = LIBRARY
     rank, world = RANK, WORLD
@@ -348,7 +348,7 @@ BUFFER_SCRIPT = textwrap.dedent(
         print(json.dumps({"rank": rank, "error": str(e), "live": cuda_ipc._load().fake_live()}), flush=True)
         os._exit(0)  # not through the gloo group's teardown at exit, which aborts while a peer leaves
     memory = buffer._memory
-    probes = [int(p[:PROBE_BYTES].count_nonzero() + p[buffer.num_bytes - PROBE_BYTES:buffer.num_bytes].count_nonzero()) for p in memory.peers]
+    probes = [int(p[:buffer.num_bytes].count_nonzero()) for p in memory.peers]
     rows = torch.full((8, 64), float(rank + 1), dtype=torch.bfloat16)
     buffer.write([rows, rows[:4]])
     ids = torch.tensor([[[0, 8]], [[0, 4]]], dtype=torch.int32)  # row 0 of rank 0 and of rank 1, both layers
@@ -361,9 +361,10 @@ BUFFER_SCRIPT = textwrap.dedent(
 
 
 def test_ranks_read_back_each_others_shards_at_start(tmp_path):
-    """LocalEngramBuffer over the CUDA IPC allocator (stand-in driver): at start every rank writes a
-    pattern into its shard and reads its peers' back; with a working driver that passes, the probe bytes
-    are put back (zero), and rows written by each rank fetch from the other."""
+    """LocalEngramBuffer over the CUDA IPC allocator (stand-in driver): at start every rank writes
+    probe rows into its shard and reads its peers' back through the gather; with a working driver that
+    passes, the probe rows are put back (every shard still all zero), and rows written by each rank fetch
+    from the other."""
     results = _run_ranks(BUFFER_SCRIPT, build_driver(tmp_path), str(tmp_path / "store"), 2)
     for rank, row in results.items():
         assert "error" not in row, row
@@ -378,6 +379,6 @@ def test_a_driver_that_maps_other_memory_is_refused_on_every_rank(tmp_path):
     results = _run_ranks(BUFFER_SCRIPT, build_driver(tmp_path, "OPEN_OTHER_MEMORY"), str(tmp_path / "store"), 2)
     for rank, row in results.items():
         assert "error" in row, f"rank {rank} served a buffer whose peers it cannot read: {row}"
-        assert re.search(r"rank 0 read \d+ of 128 bytes of rank 1's shard wrong; rank 1 read \d+ of 128 bytes of rank 0's", row["error"]), row
+        assert re.search(r"rank 0 read \d+ of \d+ probe rows of rank 1's shard wrong \(the first: layer 0, row 0\); rank 1 read \d+ of \d+ probe rows of rank 0's", row["error"]), row
         assert "not shared correctly between the 2 ranks" in row["error"]
         assert row["live"] == 0, row
