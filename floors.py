@@ -21,8 +21,8 @@ QUANT_FLOORS = (
     ("tensor", ("tensor", "dispatch"),
      "QuantizedTensor and its generic op tables"),
     ("compute", ("compute/",),
-     "the linear paths (fp8 x fp8, weight-only, int8, NVFP4), their proof by value and choice by measurement, "
-     "scaled-matmul probing, failure memory"),
+     "the registry of linear paths (paths/), proving a product once (prove.py), the verdict book and its file, "
+     "scaled-matmul probing"),
     ("files", ("safetensors_file", "format_report", "format_scales", "formats", "save", "quantize_model",
                "convert", "summary", "selftest", "__init__"),
      "file I/O: safetensors reading, format detection and loading, save, quantize, convert CLI, the selftest CLI"),

@@ -92,6 +92,9 @@ class QuantizedTensor(torch.Tensor):
         self.orig_dtype = orig_dtype
         self.config = config
         self.transposed = bool(transposed)
+        # the stored matrix's logical shape, before any transpose: read per call by the compute floor
+        # as a plain tuple (``.shape`` of a tensor subclass goes through ``__torch_function__``)
+        self.matrix_shape = tuple(layout.logical_shape(qdata.shape))
 
     # ``layout`` is the quantization layout; torch's own tensor layout of this wrapper is strided.
     @property

@@ -545,7 +545,8 @@ def _book_for(path: str | None) -> Book:
 
 def default_book() -> Book:
     """The book of weights whose config names none: in memory only, for this process."""
-    return _book_for(None)
+    hit = _books.get(None)  # read without the lock: every linear call of such a weight asks
+    return hit if hit is not None else _book_for(None)
 
 
 def book_for_file(path: str | os.PathLike) -> Book:

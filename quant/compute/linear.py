@@ -76,7 +76,7 @@ def _build(x2d, w, bias, cfg: ComputeConfig, cdt, grad: bool, book):
     device = x2d.device
     generation = book.generation
     m, k = x2d.shape
-    n = w.shape[0]
+    n = w.matrix_shape[0]
     names = tuple(p.name for p in PATHS if (not grad or p.grad_ok) and p.operand(w, cfg, device, cdt) is not None)
     fast = [p for p in names if not REGISTRY[p].plain]
     if not fast or m == 0:
@@ -153,7 +153,7 @@ def _fast(route: _Route, x2d, w, bias, cfg, cdt, book):
         return None
     if route.key is None:  # trusted: no proof, no check
         return _guarded(path, x2d, wop, bias, cdt, cfg, book, fkey, op=tracing())
-    shape = (x2d.shape[0], w.shape[0], x2d.shape[1], x2d.is_contiguous())
+    shape = (x2d.shape[0], w.matrix_shape[0], x2d.shape[1], x2d.is_contiguous())
     if shape in route.covered:
         return _guarded(path, x2d, wop, bias, cdt, cfg, book, fkey, op=tracing())
     if tracing():
@@ -203,10 +203,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         return F.linear(x, weight, bias)
     cfg = config or weight.config or DEFAULT_CONFIG
     cdt = _compute_dtype(x, cfg)
-    if weight.transposed or weight.dim() != 2 or (weight.qdata.dim() != 2 and not weight.layout.packed):
+    shape = weight.matrix_shape
+    if weight.transposed or len(shape) != 2:
         # not an [out, in] weight: plain math on the dequantized tensor
         return F.linear(x.to(cdt), weight.dequantize(cdt), None if bias is None else bias.to(cdt))
-    out_f, in_f = weight.shape
+    out_f, in_f = shape
     if x.dim() == 0 or x.shape[-1] != in_f:
         raise QuantizationError(
             f"linear: input of shape {list(x.shape)} does not fit a weight of shape "
@@ -219,6 +220,10 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     out = None
     if route is not None and not route.path.plain:
         out = _fast(route, x2d, weight, bias, cfg, cdt, book)
+    traced = route.path if out is not None else WEIGHT_ONLY
     if out is None:
         out = _plain(x2d, weight, bias, cdt)
+    if tracing():
+        log_once(logger, ("traced", traced.name, x2d.device.type), logging.INFO,
+                 "torch.compile is tracing FP8 linears (%s path on %s) into its graph", traced.name, x2d.device.type)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_f)
