@@ -28,7 +28,7 @@ from ..errors import QuantizationError
 from ..runtime import first_line, is_oom, log_once, tracing
 from ..tensor import QuantizedTensor
 from . import prove
-from .book import Key, default_book, shape_class
+from .book import M_CLASSES, Key, default_book, shape_class
 from .paths import PATHS, REGISTRY, WEIGHT_ONLY
 from .paths.plain import rotation_macs
 from .scaled_mm import fp8_supported
@@ -56,14 +56,21 @@ class _Route:
         self.cfg, self.generation, self.path, self.key, self.covered = cfg, generation, path, key, covered
 
 
+_M_BOUNDS = tuple(bound for bound, _ in M_CLASSES)
+
+
 def _m_class(m: int) -> int:
-    return 0 if m <= 16 else 1 if m <= 128 else 2 if m <= 1024 else 3
+    """The token class of ``m`` (``book.M_CLASSES``), per call: a few comparisons."""
+    for i, bound in enumerate(_M_BOUNDS):
+        if m <= bound:
+            return i
+    return len(_M_BOUNDS) - 1
 
 
 def _key(w, cfg, names: tuple, forced: str, m: int, n: int, k: int, x_dtype, cdt, has_bias: bool, device) -> Key:
     lead = REGISTRY[next(p for p in names if not REGISTRY[p].plain)]
     wop = lead.operand(w, cfg, device, cdt)
-    _, _, nc, kc = shape_class(m, n, k)
+    _, _, nc, kc = shape_class(m, n, k)  # (its token class is _m_class's: the same bounds)
     name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
     mode = lead.mode(wop, cfg) + ("" if cfg.int8_rotation or lead.name != "int8" else "/unrotated")
     return Key(kind=lead.kind(wop, cfg), paths=names, forced=forced, mode=mode, layout=repr(w.layout),

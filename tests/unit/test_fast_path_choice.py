@@ -430,3 +430,19 @@ def test_every_path_proves_right_on_this_gpu(capsys, monkeypatch):
     assert {"weight-only GEMM", "NVFP4 GEMM"} <= kinds, kinds
     if torch.cuda.get_device_capability() >= (8, 9):
         assert {"fp8 x fp8 per row", "fp8 x fp8 per tensor", "fp8 x fp8 block-wise"} <= kinds, kinds
+
+
+def test_a_call_in_steady_state_neither_proves_nor_rebuilds_its_route(monkeypatch):
+    """After the first call of a kind (proof) and of a shape (check), a call is the route cached on the
+    weight, the book's pick and the run: nothing is built, decided or checked again."""
+    _, w8 = _weights()
+    x = _x()
+    first = linear(x, w8, None, AUTO)
+    lin = importlib.import_module("fp8_engram.quant.compute.linear")
+    calls = []
+    monkeypatch.setattr(lin, "_build", lambda *a: calls.append("build"))
+    monkeypatch.setattr(prove, "decide", lambda *a: calls.append("decide"))
+    monkeypatch.setattr(prove, "check_call", lambda *a: calls.append("check"))
+    for _ in range(3):
+        assert torch.equal(linear(x, w8, None, AUTO), first)
+    assert not calls, calls
