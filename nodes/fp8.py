@@ -126,8 +126,8 @@ def _path_label(cfg: ComputeConfig, ops=None) -> str:
         return f"auto: fp8 matmul ({cfg.activation_scaling}) {how}, else weight-only"
     from ..quant.compute.int8 import int8_supported
 
-    if int8_supported(device):  # converted at load; per token class int8 or weight-only, as measured
-        return f"auto: {int8_label} on {device} {how}, else weight-only"
+    if int8_supported(device):  # per token class int8 or weight-only, as measured; converted at first use
+        return f"auto: {int8_label} on {device} {how} (layers converted at first use), else weight-only"
     return f"auto: weight-only on {device}"
 
 

@@ -27,6 +27,7 @@ import torch
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
 from ..quant.compute import int8 as quant_int8
+from ..quant.compute.paths.int8 import sampled_conversion_sqnr_db
 from ..quant.errors import QuantizationError
 from ..quant.layouts import mxfp8, nvfp4
 from ..quant.runtime import release_workspace
@@ -59,14 +60,12 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
     `source` names the file being loaded in errors."""
     cfg = config or ComputeConfig()
     sr = bool(stochastic_rounding)
-    # the int8 path converts FP8 weights once, here, for the device the model will run on
-    # "auto" converts where the device has fast INT8 and no FP8 units (int8_supported). Each converted layer
-    # then runs int8 or weight-only per token class, whichever was proven and measured faster there
-    # (compute/prove.py). Deciding the conversion itself by one load-time measurement
-    # (measured at 1024 tokens) picked wrong: on a VNNI CPU int8 wins below ~16-256 tokens
-    # and loses at 1024, and a load cannot know the token count the model will run at.
-    to_int8 = cfg.path == "int8" or (cfg.path == "auto" and
-                                     quant_int8.int8_supported(comfy.model_management.get_torch_device()))
+    # "int8" converts FP8 weights once, here. "auto" keeps the file's weights: where the device has fast INT8
+    # and no FP8 units, a layer is converted the first time a token class of its calls proves int8 right and
+    # faster (compute/paths/int8.py), on the device it runs on, and a model that never runs int8 converts
+    # nothing (converting every layer at load took minutes per billion parameters on a CPU, and held both
+    # forms of the whole model at once).
+    to_int8 = cfg.path == "int8"
 
     class FP8Ops(base):
         fp8_config = cfg
@@ -114,7 +113,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                                     f"{where}layer {prefix.rstrip('.')!r} ({w.layout!r}): its weight cannot be converted "
                                     f"to int8 for the int8 compute path ({exc}); load the file with compute_path "
                                     "weight-only") from exc
-                            FP8Ops.int8_layers.append((prefix.rstrip("."), quant_int8.conversion_sqnr_db(w, w8)))
+                            FP8Ops.int8_layers.append((prefix.rstrip("."), sampled_conversion_sqnr_db(w, w8)))
                             w = w8
                         if self.factory_device is not None:
                             w = move_quantized(w, self.factory_device)

@@ -285,6 +285,7 @@ class Book:
         self._loaded: set = set()  # stack ids read from the file
         self._dirty: set = set()  # (stack id, Key) written in this process since the last write
         self._forgotten: set = set()  # stack ids to drop from the file at the next write
+        self._conversions: dict = {}  # stack id -> [layers, parameters, seconds, [sampled SQNR dB]]
         self.generation = 0
 
     def __repr__(self) -> str:
@@ -402,6 +403,25 @@ class Book:
     def failed(self, device, path: str, fkey) -> bool:
         return bool(self._failed) and (device_key(device), path, fkey) in self._failed
 
+    def converted(self, device, seconds: float, sqnr_db: float, params: int) -> None:
+        """Count one weight converted at first use (for the int8 path) on ``device``: what it cost and its
+        sampled SQNR against the weight it was made from."""
+        with self._lock:
+            c = self._conversions.setdefault(stack_facts(device)[0], [0, 0, 0.0, []])
+            c[0] += 1
+            c[1] += params
+            c[2] += seconds
+            c[3].append(sqnr_db)
+
+    def conversions(self, device) -> dict | None:
+        """{layers, parameters, seconds, mean_sqnr_db, min_sqnr_db} of the conversions on ``device`` so far."""
+        c = self._conversions.get(stack_facts(device)[0])
+        if not c:
+            return None
+        finite = [d for d in c[3] if math.isfinite(d)] or [math.inf]
+        return {"layers": c[0], "parameters": c[1], "seconds": round(c[2], 3),
+                "mean_sqnr_db": round(sum(finite) / len(finite), 2), "min_sqnr_db": round(min(c[3]), 2)}
+
     def failures(self, device=None) -> list:
         """(path, failure key) of each kind of product whose path raised on ``device`` (every device: None)."""
         dk = None if device is None else device_key(device)
@@ -442,6 +462,7 @@ class Book:
             self._loaded.clear()
             self._dirty.clear()
             self._forgotten.clear()
+            self._conversions.clear()
             self.generation += 1
 
     def _write(self, sid, facts) -> None:
@@ -502,6 +523,11 @@ class Book:
             told = ", ".join(f"{name} on {c} of {len(vs)} shape classes" for name, c in counts.items())
             cost = sum(v.cost_s for v in vs if v.source == "measured")
             lines.append(f"{kind}: {told} (e.g. {describe(vs[0])}; proving took {cost * 1e3:.0f} ms)")
+        c = self.conversions(device) if device is not None and (kinds is None or "int8" in kinds) else None
+        if c:
+            lines.append(f"int8 conversions at first use: {c['layers']} layer(s), {c['parameters'] / 1e6:.1f} M "
+                         f"parameters in {c['seconds']:.2f} s (kept beside the file's weights), sampled SQNR mean "
+                         f"{c['mean_sqnr_db']:.1f} dB, min {c['min_sqnr_db']:.1f} dB")
         return lines
 
 

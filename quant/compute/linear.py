@@ -69,11 +69,10 @@ def _m_class(m: int) -> int:
 
 def _key(w, cfg, names: tuple, forced: str, m: int, n: int, k: int, x_dtype, cdt, has_bias: bool, device) -> Key:
     lead = REGISTRY[next(p for p in names if not REGISTRY[p].plain)]
-    wop = lead.operand(w, cfg, device, cdt)
     _, _, nc, kc = shape_class(m, n, k)  # (its token class is _m_class's: the same bounds)
     name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
-    mode = lead.mode(wop, cfg) + ("" if cfg.int8_rotation or lead.name != "int8" else "/unrotated")
-    return Key(kind=lead.kind(wop, cfg), paths=names, forced=forced, mode=mode, layout=repr(w.layout),
+    mode = lead.mode(w, cfg) + ("" if cfg.int8_rotation or lead.name != "int8" else "/unrotated")
+    return Key(kind=lead.kind(w, cfg), paths=names, forced=forced, mode=mode, layout=repr(w.layout),
                m_class=_m_class(m), n_class=nc, k_class=kc, x_dtype=name(x_dtype), w_dtype=name(w.qdata.dtype),
                out_dtype=name(cdt), bias=has_bias)
 
@@ -84,7 +83,7 @@ def _build(x2d, w, bias, cfg: ComputeConfig, cdt, grad: bool, book):
     generation = book.generation
     m, k = x2d.shape
     n = w.matrix_shape[0]
-    names = tuple(p.name for p in PATHS if (not grad or p.grad_ok) and p.operand(w, cfg, device, cdt) is not None)
+    names = tuple(p.name for p in PATHS if (not grad or p.grad_ok) and p.takes(w, cfg, device, cdt))
     fast = [p for p in names if not REGISTRY[p].plain]
     if not fast or m == 0:
         return _Route(cfg, generation, WEIGHT_ONLY)

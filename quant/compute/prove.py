@@ -123,6 +123,9 @@ def decide(book: Book, device, key: Key, operands: dict, bias, cdt, cfg, x_dtype
     slices_of: dict = {}
     for name in names:
         path, wop = REGISTRY[name], operands[name]
+        if wop is None:  # a path whose operand cannot be made for this weight (an int8 conversion that overflows)
+            proofs[name] = proof.Proof(False, -math.inf, math.nan, "its operand cannot be made from this weight")
+            continue
         run = (lambda path=path, wop=wop: path.run(xp, wop, bias, cdt, cfg, op=True))
         cand = proof.Candidate(run=run)
         if not forced:

@@ -5,8 +5,10 @@ A path is one way to compute ``y = x @ W.T + b`` for a QuantizedTensor W. It ans
     name          its registered name (verdicts, summaries and the verdict file name it by this)
     plain         True for the plain path (dequantize, then matmul): the reference math, never proven
     grad_ok       whether it may run where autograd records (its own backward)
-    operand       the weight it multiplies for this weight, config, device and compute dtype, or None
-                  where it does not apply (the int8 paths convert FP8 weights they are forced onto)
+    takes         whether it applies to this weight, config, device and compute dtype (cheap: asked when a
+                  kind of call is first routed; never converts anything)
+    operand       the weight it multiplies there (the int8 path converts FP8 weights, once per weight, the
+                  first time it is proven or runs on one)
     accepts       whether it takes this call's activation (alignment, strides): checked per call
     trusted       whether it runs at ``m`` tokens where the config trusts fast paths (no proof)
     kind / mode   its label in summaries, and the part of the verdict key its options make
@@ -35,6 +37,9 @@ class Path:
     name = "path"
     plain = False
     grad_ok = False
+
+    def takes(self, w, cfg, device, cdt) -> bool:
+        return self.operand(w, cfg, device, cdt) is not None
 
     def operand(self, w, cfg, device, cdt):
         return None

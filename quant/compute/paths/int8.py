@@ -1,42 +1,114 @@
 """The int8 x int8 path: the activation rotated like the weight and quantized per token in one pass, then one
 int8 GEMM with both scales, the bias and the output dtype in its epilogue (``compute/int8.py``).
 
-It multiplies Int8 weights: ComfyUI's int8 files and the pack's own conversion of FP8 weights (made at load
-where the loaders convert, or here, once per weight, where the config forces "int8"). Under "auto" it is a
-candidate wherever an int8 GEMM runs (``int8_available``; by ``int8_fast`` where fast paths are trusted).
-Its twin: the same int8 operands multiplied in float32. Pure torch; never imports ComfyUI.
+It multiplies Int8 weights: ComfyUI's int8 files as they are, and the pack's own conversion of other
+weights, made once per weight on its own device and kept beside it (``int8.to_int8``): under "int8" for
+every weight (the loaders convert at load), under "auto" where the device has fast INT8 and no FP8 units
+(``int8_supported``) for a weight whose kind of call this path was proven right and measured faster on:
+the first weight of a kind is converted for its proof, the others when they first run int8, and a model
+whose calls never run int8 converts nothing. Both forms stay while both serve (the file's form for the
+token classes where weight-only won): about one more byte per parameter of each converted layer. Under
+"auto" it is a candidate for int8 weights wherever an int8 GEMM runs (``int8_available``; by
+``int8_fast`` where fast paths are trusted). Its twin: the same int8 operands multiplied in float32. Pure
+torch; never imports ComfyUI.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...kernels.int8_mm import quantize_rows_int8_torch
-from .. import int8, proof
-from .base import Path, bias_cols, cached_on_weight
+import logging
+import math
+import time
 
-__all__ = ["Int8Path", "INT8", "int8_operand"]
+from ...errors import QuantizationError
+from ...kernels.int8_mm import quantize_rows_int8_torch
+from ...runtime import first_line, log_once
+from ...tensor import QuantizedTensor
+from .. import int8, proof
+from .base import Path, bias_cols, cached_on_weight, weight_reference
+
+__all__ = ["Int8Path", "INT8", "int8_operand", "int8_takes", "sampled_conversion_sqnr_db", "SQNR_ROWS"]
+
+logger = logging.getLogger("fp8_engram.quant.compute.linear")
+
+SQNR_ROWS = 256  # rows a conversion's SQNR is measured on (evenly spread, first and last included)
+
+
+def int8_takes(w, cfg, device) -> bool:
+    """Whether an int8 path multiplies ``w`` under ``cfg`` on ``device`` (converting nothing)."""
+    if cfg.path == "weight_only" or w.transposed or w.qdata.dim() != 2:
+        return False
+    if int8.is_int8(w):
+        if cfg.path != "auto":
+            return True  # an int8 weight under "fp8" or "int8" runs int8, as forced
+        return int8.int8_fast(device) if cfg.trust_fast_paths else int8.int8_available(device)
+    return cfg.path == "int8" or (cfg.path == "auto" and int8.int8_supported(device))
 
 
 def int8_operand(w, cfg, device):
-    """The Int8 weight an int8 path multiplies for ``w`` under ``cfg``, or None."""
-    if cfg.path == "weight_only" or w.transposed or w.qdata.dim() != 2:
+    """The Int8 weight an int8 path multiplies for ``w`` under ``cfg``, or None; a conversion is made on
+    ``device`` once and kept on the weight (one per rotation choice: a call that overrides int8_rotation
+    must not get the other's)."""
+    if not int8_takes(w, cfg, device):
         return None
     if int8.is_int8(w):
-        if cfg.path != "auto":
-            return w  # an int8 weight under "fp8" or "int8" runs int8, as forced
-        fast = int8.int8_fast(device) if cfg.trust_fast_paths else int8.int8_available(device)
-        return w if fast else None
-    if cfg.path == "int8":
-        # one conversion kept per rotation choice: a call that overrides int8_rotation must not get the other's
-        if cfg.int8_rotation:
-            return cached_on_weight(w, "int8", lambda: int8.to_int8(w, None))
-        return cached_on_weight(w, "int8_unrotated", lambda: int8.to_int8(w, 0))
-    return None
+        return w
+    name = "int8" if cfg.int8_rotation else "int8_unrotated"
+    if cfg.path == "auto":  # a weight that cannot be converted runs weight-only, said once
+        w8 = cached_on_weight(w, name, lambda: _convert_or_none(w, cfg, device))
+        return w8 if w8 is not _UNCONVERTIBLE else None
+    return cached_on_weight(w, name, lambda: _convert(w, cfg, device))
+
+
+_UNCONVERTIBLE = object()
+
+
+def _convert_or_none(w, cfg, device):
+    try:
+        return _convert(w, cfg, device)
+    except QuantizationError as exc:  # e.g. scales so near float32's range that the rotated weight overflows
+        log_once(logger, ("unconvertible", repr(w.layout), tuple(w.matrix_shape)), logging.WARNING,
+                 "a %s weight %s cannot be converted to int8 (%s); it runs weight-only (logged once)",
+                 w.layout, list(w.matrix_shape), first_line(exc))
+        return _UNCONVERTIBLE
+
+
+def _convert(w, cfg, device):
+    started = time.perf_counter()
+    wd = w
+    if w.qdata.device != torch.device(device):  # converted where it runs (a CUDA model on its GPU)
+        wd = QuantizedTensor.from_parts(w.qdata.to(device), w.scale.to(device), w.layout, orig_dtype=w.orig_dtype,
+                                        config=w.config)
+    w8 = int8.to_int8(wd, None if cfg.int8_rotation else 0)
+    db = sampled_conversion_sqnr_db(wd, w8)
+    book = cfg.book
+    if book is None:
+        from ..book import default_book
+
+        book = default_book()
+    book.converted(device, time.perf_counter() - started, db, w8.qdata.numel())
+    return w8
+
+
+def sampled_conversion_sqnr_db(reference, w8, rows: int = SQNR_ROWS) -> float:
+    """SQNR (dB) of the int8 conversion ``w8`` against ``reference`` (the weight it was made from) on ``rows``
+    rows spread over the weight (both dequantized there only; float64 sums)."""
+    n = w8.qdata.shape[0]
+    idx = proof.checked_index(n, rows, rows // 8, rows - rows // 4, w8.qdata.device)
+    ref = weight_reference(reference, idx).double()
+    err = (weight_reference(w8, idx).double() - ref).pow(2).sum()
+    sig = ref.pow(2).sum()
+    if float(err) == 0.0:
+        return math.inf
+    return float(10 * torch.log10(sig / err)) if float(sig) > 0 else -math.inf
 
 
 class Int8Path(Path):
     name = "int8"
+
+    def takes(self, w, cfg, device, cdt) -> bool:
+        return int8_takes(w, cfg, device)
 
     def operand(self, w, cfg, device, cdt):
         return int8_operand(w, cfg, device)

@@ -28,7 +28,7 @@ import logging
 import torch
 
 from ...layouts import Int8
-from .. import proof
+from .. import int8, proof
 from .base import Path, ref_product
 from .int8 import INT8, int8_operand
 
@@ -88,7 +88,8 @@ class KitchenInt8(Path):
     name = "kitchen int8"
 
     def operand(self, w, cfg, device, cdt):
-        if cfg.path != "auto" or module() is None:
+        # the int8 weights of files, as they are: the pack's own conversions are rotated as kitchen does not rotate
+        if cfg.path != "auto" or module() is None or not int8.is_int8(w):
             return None
         w8 = int8_operand(w, cfg, device)
         return w8 if w8 is not None and takes(w8) else None

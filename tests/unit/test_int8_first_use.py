@@ -1,0 +1,97 @@
+""""auto" converts a weight to int8 only where its calls run int8 (quant/compute/paths/int8.py), on the CPU.
+
+The loaders keep the file's weights; under "auto", on a device with fast INT8 and no FP8 units, the first
+weight of a kind of call is converted for the proof, and the others only when their calls run int8. The
+capability itself (``int8_supported``: VNNI/AMX here) is set for these tests, so an AVX2 machine runs them
+too; which path wins is set by a fake clock (no wall-clock margin decides).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from fp8_engram.quant import ComputeConfig, PerRow, QuantizedTensor, linear
+from fp8_engram.quant.compute import Book, int8 as qint8, proof
+from fp8_engram.quant.compute.paths.int8 import sampled_conversion_sqnr_db
+
+plain = importlib.import_module("fp8_engram.quant.compute.paths.plain")
+
+
+@pytest.fixture(autouse=True)
+def fast_int8_device(monkeypatch):
+    monkeypatch.setattr(qint8, "int8_supported", lambda device: torch.device(device).type == "cpu")
+
+
+def _clock(monkeypatch, plain_s: float, int8_s: float):
+    """Timing on a fake clock: the plain path's dequantization and the int8 GEMM take what the test says."""
+    now = [0.0]
+
+    def for_device(device):
+        def timed(fn):
+            t0 = now[0]
+            fn()
+            return now[0] - t0
+        return timed
+
+    monkeypatch.setattr(proof, "clock_for", for_device)
+    real_dq, real_mm = plain._dequantized, qint8.int8_linear_mm
+
+    def dq(*a, **k):
+        now[0] += plain_s
+        return real_dq(*a, **k)
+
+    def mm(*a, **k):
+        now[0] += int8_s
+        return real_mm(*a, **k)
+
+    monkeypatch.setattr(plain, "_dequantized", dq)
+    monkeypatch.setattr(qint8, "int8_linear_mm", mm)
+
+
+def _weights(count=3, n=512, k=1024):
+    g = torch.Generator().manual_seed(0)
+    return [QuantizedTensor.from_float(torch.randn(n, k, generator=g) * 0.03, PerRow()) for _ in range(count)]
+
+
+def _converted(w) -> bool:
+    return "int8" in w.__dict__.get("_derived", {})
+
+
+def test_a_model_whose_calls_never_run_int8_converts_only_the_proofs_weight(monkeypatch):
+    _clock(monkeypatch, plain_s=0.01, int8_s=0.5)
+    book = Book()
+    cfg = ComputeConfig(book=book)
+    ws = _weights()
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for w in ws:
+        assert torch.equal(linear(x, w, None, cfg), linear(x, w, None, ComputeConfig(path="weight_only")))
+    assert [_converted(w) for w in ws] == [True, False, False]
+    assert book.conversions("cpu")["layers"] == 1
+
+
+def test_where_int8_wins_each_weight_converts_at_its_first_call_and_runs_int8(monkeypatch):
+    _clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    book = Book()
+    cfg = ComputeConfig(book=book)
+    ws = _weights()
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    outs = [linear(x, w, None, cfg) for w in ws]
+    assert all(_converted(w) for w in ws)
+    for w, y in zip(ws, outs):
+        w8 = w.__dict__["_derived"]["int8"][1]
+        assert torch.equal(y, qint8.int8_linear(x, w8, None, torch.bfloat16))
+    c = book.conversions("cpu")
+    assert c["layers"] == 3 and c["parameters"] == 3 * 512 * 1024 and c["min_sqnr_db"] > 35
+    assert any("int8 conversions at first use: 3 layer(s)" in line for line in book.summary_lines("cpu"))
+    # the file's weight stays: a class where weight-only wins runs it, not the int8 form dequantized
+    assert ws[0].qdata.dtype == torch.float8_e4m3fn
+
+
+def test_the_sampled_conversion_sqnr_is_the_full_figure_within_half_a_db():
+    w = _weights(1, n=3072, k=1024)[0]
+    w8 = qint8.to_int8(w)
+    full, sampled = qint8.conversion_sqnr_db(w, w8), sampled_conversion_sqnr_db(w, w8)
+    assert abs(full - sampled) < 0.5, (full, sampled)
