@@ -23,7 +23,7 @@ import time
 
 from ...errors import QuantizationError
 from ...kernels.int8_mm import quantize_rows_int8_torch
-from ...runtime import first_line, log_once
+from ...runtime import first_line, log_once, tracing
 from ...tensor import QuantizedTensor
 from .. import int8, proof
 from .base import Path, bias_cols, cached_on_weight, weight_reference
@@ -43,7 +43,11 @@ def int8_takes(w, cfg, device) -> bool:
         if cfg.path != "auto":
             return True  # an int8 weight under "fp8" or "int8" runs int8, as forced
         return int8.int8_fast(device) if cfg.trust_fast_paths else int8.int8_available(device)
-    return cfg.path == "int8" or (cfg.path == "auto" and int8.int8_supported(device))
+    if cfg.path == "int8":
+        return True
+    # "auto" converts at first use, never inside a compiled graph (the traced weight is a new object each
+    # trace: the conversion would run in the graph at every call); compiled graphs run such weights plain
+    return cfg.path == "auto" and int8.int8_supported(device) and not tracing()
 
 
 def int8_operand(w, cfg, device):
@@ -54,6 +58,8 @@ def int8_operand(w, cfg, device):
         return None
     if int8.is_int8(w):
         return w
+    if tracing():  # forced "int8" (the loaders converted at load; a weight made int8 otherwise is traced so)
+        return int8.to_int8(w, None if cfg.int8_rotation else 0)
     name = "int8" if cfg.int8_rotation else "int8_unrotated"
     if cfg.path == "auto":  # a weight that cannot be converted runs weight-only, said once
         w8 = cached_on_weight(w, name, lambda: _convert_or_none(w, cfg, device))
