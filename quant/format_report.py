@@ -22,6 +22,10 @@ MXFP8_FORMAT = "mxfp8"
 COMFY_FORMATS = {**FP8_BY_NAME, MXFP8_FORMAT: torch.float8_e4m3fn}
 
 
+# packed formats whose data is not what the stored dtype says: the name reports give their values
+AWQ_FORMAT = "awq_w4a16"
+_DATA_NAMES = {"nvfp4": "e2m1", AWQ_FORMAT: "uint4"}
+
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 # Format names (FormatReport.format, LayerInfo.source)
@@ -161,6 +165,10 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     elif any(i.granularity == "mxfp8" for i in layers.values()):
         notes.append("mxfp8 layers (ComfyUI 0.29's own form): stock ComfyUI 0.29 and newer read them, 0.3.75 cannot "
                      "(for it, quantize per tensor)")
+    elif any(i.granularity == AWQ_FORMAT for i in layers.values()):
+        notes.append("awq_w4a16 layers (comfy-kitchen 0.2.40's AWQ W4A16: 4-bit codes, a scale and a zero point "
+                     "per group): ComfyUI 0.33 and older cannot read them; this pack runs them weight-only "
+                     "(dequantized as kitchen's eager code does, then multiplied)")
     elif any(i.layout is not None for i in layers.values()):
         notes.append("int8 layers in ComfyUI 0.33's own form (int8_tensorwise / convrot_w4a4 / asym_w4a8_int8): "
                      "stock ComfyUI 0.33 reads them, 0.3.75 cannot")
@@ -172,7 +180,7 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     return FormatReport(
         path=hdr.path, format=name, formats=formats, layers_quantized=len(layers), linear_weights=linear,
         bytes_on_disk=hdr.file_size, bytes_bf16=bf16,
-        fp8_dtypes=sorted({"e2m1" if i.granularity == "nvfp4" else _fp8_name(i.fp8_dtype) for i in layers.values()}),
+        fp8_dtypes=sorted({_DATA_NAMES.get(i.granularity) or _fp8_name(i.fp8_dtype) for i in layers.values()}),
         granularities=grans,
         fp8_matmul_allowed=fp8_mm, layers=sorted(layers.values(), key=lambda i: i.name), notes=notes,
         stock_comfy_readable=stock,

@@ -43,7 +43,7 @@ from typing import Callable, Iterable
 import torch
 
 from .errors import FormatError, QuantizationError
-from .layouts import layout_for, mxfp8
+from .layouts import awq, layout_for, mxfp8
 from .layouts.comfy_int8 import INT8_FORMATS, plan_layer
 from .layouts.nvfp4 import GROUP as NVFP4_GROUP, scales_from_file as nvfp4_scales_from_file, split_scales
 from .tensor import QuantizedTensor
@@ -131,6 +131,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
 
     # ---- ComfyUI mixed precision header metadata
     meta_layers: dict[str, dict] | None = None
+    meta_own: dict[str, dict] = {}  # layers in a per-layer form of their own (AWQ) listed in the metadata
     if QUANT_METADATA_KEY in hdr.metadata:
         mk = f"__metadata__.{QUANT_METADATA_KEY}"
         expected = '{"format_version": "1.0", "layers": {name: {"format": "float8_e4m3fn"}}}'
@@ -144,6 +145,9 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
                            '{"format": "float8_e4m3fn"} (the plain-string form crashes ComfyUI 0.3.75)')
             if entry.get("format") == "nvfp4" and name + ".weight" in nv_layers:
                 continue  # read above, with its own checks
+            if entry.get("format") == awq.FORMAT:
+                meta_own[name] = entry  # read with the layer below (ComfyUI turns it into a .comfy_quant)
+                continue
             if not isinstance(entry.get("format"), str) or entry.get("format") not in COMFY_FORMATS:
                 raise _err(path, f"{mk}.layers.{name}", f"unsupported layer format {_short(entry.get('format'))}",
                            "'float8_e4m3fn', 'float8_e5m2' or 'mxfp8'")
@@ -190,8 +194,9 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         is_fp8 = e.dtype in FP8_DTYPES
         if not (present or has_cq or in_meta):
             continue  # plain tensors and plain casts are decided below
-        if has_cq and e.dtype == torch.int8:  # ComfyUI 0.33's int8 formats: quant/layouts/comfy_int8.py
-            layers[wk], scales[wk] = _comfy_int8_layer(path, name, T, rd)
+        if (has_cq or name in meta_own) and e.dtype in (torch.int8, torch.uint8):
+            # ComfyUI 0.33's int8 formats (quant/layouts/comfy_int8.py), kitchen 0.2.40's AWQ (layouts/awq.py)
+            layers[wk], scales[wk] = _integer_layer(path, name, T, rd, meta_own.get(name))
             consumed.update((layers[wk].scale_key,) + layers[wk].consumed)
             continue
         if len(present) > 1:
@@ -295,6 +300,10 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         layers[wk] = LayerInfo(name, source, gran, block, e.dtype, tuple(e.shape), wk, scale_key, in_key,
                                full_precision_mm, tuple(extra))
 
+    for name in meta_own:
+        if name + ".weight" not in T:
+            raise _err(path, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}",
+                       "metadata lists a layer the file does not hold", f"a tensor '{name}.weight'")
     if meta_layers is not None:
         for name in meta_layers:
             if name + ".weight" not in T:
@@ -469,22 +478,43 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
     return out, det.report
 
 
-def _comfy_int8_layer(path, name: str, T: dict, rd: "_LazyReader"):
-    """LayerInfo and scale of a layer in one of ComfyUI's int8 formats (int8_tensorwise, convrot_w4a4,
-    asym_w4a8_int8)."""
+def _integer_layer(path, name: str, T: dict, rd: "_LazyReader", meta_conf: dict | None):
+    """LayerInfo and scale of a layer with an integer weight and a format of its own: one of ComfyUI's int8
+    formats (int8_tensorwise, convrot_w4a4, asym_w4a8_int8) or comfy-kitchen's awq_w4a16. Its JSON comes from
+    `<layer>.comfy_quant`, or from the `_quantization_metadata` entry (`meta_conf`) where the file has no such
+    tensor."""
     cq_key = name + ".comfy_quant"
-    ce = T[cq_key]
+    formats_known = INT8_FORMATS + (awq.FORMAT,)
     expected = 'uint8 bytes of a JSON object like {"format": "int8_tensorwise"}'
-    if ce.dtype != torch.uint8 or len(ce.shape) != 1 or ce.nbytes > MAX_COMFY_QUANT_BYTES:
-        raise _err(path, cq_key, f"comfy_quant tensor has dtype {_fp8_name(ce.dtype)} and shape {list(ce.shape)}",
-                   expected)
-    cq = _loads(path, cq_key, rd.get(cq_key).numpy().tobytes(), expected)
-    if not isinstance(cq, dict) or cq.get("format") not in INT8_FORMATS:
-        raise _err(path, cq_key, f"comfy_quant says {_short(cq)} for an int8 weight",
-                   "format " + ", ".join(repr(f) for f in INT8_FORMATS))
-    layout, shape, scale, scale_key, extra, decode = plan_layer(
-        lambda key, problem, want: _err(path, key, problem, want), name, cq, T, rd.get)
-    info = LayerInfo(name, COMFY_PER_LAYER, cq["format"], None, torch.int8, shape, name + ".weight", scale_key,
+    if cq_key in T:
+        ce = T[cq_key]
+        if ce.dtype != torch.uint8 or len(ce.shape) != 1 or ce.nbytes > MAX_COMFY_QUANT_BYTES:
+            raise _err(path, cq_key, f"comfy_quant tensor has dtype {_fp8_name(ce.dtype)} and shape {list(ce.shape)}",
+                       expected)
+        cq = _loads(path, cq_key, rd.get(cq_key).numpy().tobytes(), expected)
+        conf_key = cq_key
+    else:
+        cq, conf_key = meta_conf, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}"
+    if not isinstance(cq, dict) or cq.get("format") not in formats_known:
+        raise _err(path, conf_key, f"comfy_quant says {_short(cq)} for an integer ({_fp8_name(T[name + '.weight'].dtype)}) "
+                   "weight", "format " + ", ".join(repr(f) for f in formats_known))
+
+    def err(key, problem, want):
+        return _err(path, key, problem, want)
+
+    source = COMFY_PER_LAYER if cq_key in T else COMFY_METADATA
+    if cq["format"] == awq.FORMAT:
+        layout, scale, scale_key, extra, decode = awq.plan_layer(err, name, cq, T, rd.get)
+        extra = tuple(k for k in extra if k in T)
+        info = LayerInfo(name, source, awq.FORMAT, None, torch.int8, layout.shape, name + ".weight", scale_key,
+                         None, bool(cq.get("full_precision_matrix_mult", False)), extra, layout, decode)
+        return info, scale
+    if T[name + ".weight"].dtype != torch.int8:
+        raise _err(path, name + ".weight", f"a {cq['format']} weight of dtype {_fp8_name(T[name + '.weight'].dtype)}",
+                   "int8 (ComfyUI 0.33's int8 formats)")
+    layout, shape, scale, scale_key, extra, decode = plan_layer(err, name, cq, T, rd.get)
+    extra = tuple(k for k in extra if k in T)
+    info = LayerInfo(name, source, cq["format"], None, torch.int8, shape, name + ".weight", scale_key,
                      None, bool(cq.get("full_precision_matrix_mult", False)), extra, layout, decode)
     return info, scale
 

@@ -18,6 +18,9 @@ Encoding of a `QuantizedTensor` weight `<layer>.weight`:
 - NVFP4 (`quant.layouts.nvfp4.NVFP4`): ComfyUI's own per-layer "nvfp4" form: `.weight` (uint8, packed e2m1,
   padded to multiples of 16), `.weight_scale` (e4m3 block scales, tiled), `.weight_scale_2` (f32 []),
   `.comfy_quant` `{"format": "nvfp4"}`; 0.29 and newer read it.
+- AWQ W4A16 (`quant.layouts.awq.AWQW4A16`): comfy-kitchen 0.2.40's form: `.weight` (int8 `[N, K/2]`, two
+  unsigned codes per byte), `.weight_scale` and `.weight_zeros` (`[K/G, N]` in their stored float dtype),
+  `.comfy_quant` `{"format": "awq_w4a16", "group_size": G}`; a loaded layer's tensors are written byte for byte.
 Other tensors are written as they are. Writes stream tensor by tensor into a temporary file in the
 target folder, then move into place; an existing file is never replaced unless `overwrite=True`.
 """
@@ -38,7 +41,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .layouts import is_layout, mxfp8, nvfp4
+from .layouts import awq, is_layout, mxfp8, nvfp4
 from .layouts import comfy_int8
 from .safetensors_file import ST_NAMES
 
@@ -389,6 +392,10 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
     elif "int8" in grans:
         notes.append("int8 layers: written in ComfyUI 0.33's int8_tensorwise form, which 0.33 and newer load; "
                      "older ComfyUI cannot, and this pack's loaders read them everywhere")
+    elif awq.FORMAT in grans:
+        notes.append("awq_w4a16 layers: written in comfy-kitchen 0.2.40's AWQ W4A16 form (weight, weight_scale, "
+                     "weight_zeros, comfy_quant), bytes as loaded; ComfyUI 0.33 and older cannot read them, this "
+                     "pack's loaders can")
     elif quantized and not stock and not has_nv:
         notes.append("stock ComfyUI cannot apply row-wise or block-wise scales (or mixed e4m3fn/e5m2 layers): "
                      "load this file with this pack's loaders")
@@ -457,8 +464,21 @@ def _add_nvfp4(add, layer: str, key: str, qt_of, shape, layout, has_in: bool) ->
     add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
 
 
+def _add_awq(add, layer: str, key: str, qt_of, shape, layout, has_in: bool) -> None:
+    """The entries of one AWQ W4A16 layer in comfy-kitchen's form (layouts/awq.py): the stored bytes, scales
+    and zero points as they are (a loaded layer is written back bit for bit)."""
+    def part(name, k=key):
+        return awq.file_tensors(qt_of(k))[name]
+
+    conf = json.dumps(awq.comfy_quant_conf(layout)).encode("utf-8")
+    add(key, (lambda: part("weight")), torch.int8, (layout.rows, layout.cols // 2))
+    add(layer + ".weight_scale", (lambda: part("weight_scale")), layout.scale_dtype, (layout.groups, layout.rows))
+    add(layer + ".weight_zeros", (lambda: part("weight_zeros")), layout.scale_dtype, (layout.groups, layout.rows))
+    add(layer + ".comfy_quant", (lambda b=conf: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(conf),))
+
+
 # kinds written in a per-layer form of their own (the others: data, `.weight_scale`, `.input_scale`)
-_OWN_FORMS = {"mxfp8": _add_mxfp8, "int8": _add_int8, "nvfp4": _add_nvfp4}
+_OWN_FORMS = {"mxfp8": _add_mxfp8, "int8": _add_int8, "nvfp4": _add_nvfp4, awq.FORMAT: _add_awq}
 
 _SOURCE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 _FLOAT_WRITE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
