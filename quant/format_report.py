@@ -37,6 +37,9 @@ MUSUBI = "musubi_fp8_scaled"
 WEIGHT_SCALE = "weight_scale"
 BLOCKWISE_INV = "blockwise_scale_inv"
 UNQUANTIZED = "unquantized"
+# ComfyUI's NVFP4 form without its comfy_quant JSON or metadata entry, recognised by its tensors alone
+NVFP4_BY_TENSORS = "nvfp4_without_metadata"
+MXFP8_BY_TENSORS = "mxfp8_without_metadata"  # the same for MXFP8 (e4m3fn weight, UE8M0 block scales)
 
 
 def _fp8_name(dtype: torch.dtype) -> str:
@@ -159,6 +162,15 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     stock = all(i.granularity == "tensor" and i.source in (PLAIN, COMFY_SCALED, COMFY_METADATA) and
                 (i.source != COMFY_METADATA or i.fp8_dtype == torch.float8_e4m3fn) for i in layers.values())
     notes = []
+    unmarked = sum(1 for i in layers.values() if i.source == NVFP4_BY_TENSORS)
+    if unmarked:
+        notes.append(f"{unmarked} layer(s) without comfy_quant metadata recognised as NVFP4 by their tensors (packed "
+                     "uint8 weight, float8_e4m3fn block scales in ComfyUI's tiled order, float32 weight_scale_2); "
+                     "stock ComfyUI loads such files unquantized and fails (its issue #15511)")
+    unmarked = sum(1 for i in layers.values() if i.source == MXFP8_BY_TENSORS)
+    if unmarked:
+        notes.append(f"{unmarked} layer(s) without comfy_quant metadata recognised as MXFP8 by their tensors "
+                     "(float8_e4m3fn weight, UE8M0 block scales in ComfyUI's tiled order)")
     if any(i.granularity == "nvfp4" for i in layers.values()):
         notes.append("nvfp4 layers (ComfyUI's own form): stock ComfyUI 0.29 and newer read them, older ones "
                      "cannot; this pack runs them weight-only")

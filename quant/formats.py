@@ -49,7 +49,7 @@ from .layouts.nvfp4 import GROUP as NVFP4_GROUP, scales_from_file as nvfp4_scale
 from .tensor import QuantizedTensor
 from .format_report import (  # noqa: F401 - format names and report types are part of this module's API
     BLOCKWISE_INV, COMFY_FORMATS, COMFY_METADATA, COMFY_PER_LAYER, COMFY_SCALED, FLOAT_DTYPES, FP8_BY_NAME,
-    FP8_DTYPES, MUSUBI, MXFP8_FORMAT, PLAIN, UNQUANTIZED, WEIGHT_SCALE, DetectedFormat, FormatReport, LayerInfo,
+    FP8_DTYPES, MUSUBI, MXFP8_FORMAT, MXFP8_BY_TENSORS, NVFP4_BY_TENSORS, PLAIN, UNQUANTIZED, WEIGHT_SCALE, DetectedFormat, FormatReport, LayerInfo,
     _fp8_name, _make_report)
 from .format_scales import (  # noqa: F401
     KNOWN_BLOCKS, _check_declared_group, _check_scale_values, block_grid, check_nvfp4_range, check_scale_range,
@@ -71,6 +71,8 @@ _INPUT_SCALE_SUFFIXES = (".input_scale", ".scale_input")
 _UNSUPPORTED_SUFFIXES = (".weight_scale_2", ".weight_zero_point", ".weight_global_scale", ".weight_packed",
                          ".weight_shape", ".qweight", ".qzeros", ".scales", ".absmax", ".quant_map")
 _NVFP4_LIKE_SUFFIXES = (".weight_scale_2", ".weight_global_scale")
+# how UE8M0 (MXFP8) scales are stored: safetensors' F8_E8M0 where torch has it, else their bytes
+_E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if d is not None)
 
 
 def _parse_json_metadata(path, key: str, text: str, what: str):
@@ -110,7 +112,8 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     for key in T:
         for suf in _UNSUPPORTED_SUFFIXES:
             if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
-                raise _unsupported_key(path, key, suf)
+                why = _nvfp4_by_tensors(T, key[: -len(suf)]) if suf == ".weight_scale_2" else ""
+                raise _unsupported_key(path, key, suf, why or "")
 
     # ---- markers of ComfyUI's legacy scaled fp8 format: "<prefix>scaled_fp8"
     markers: dict[str, bool] = {}  # prefix -> fp8 matmul allowed
@@ -260,6 +263,10 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
                 full_precision_mm = True
         elif ".weight_scale_inv" in present:
             source = BLOCKWISE_INV
+        elif e.dtype == torch.float8_e4m3fn and T[name + ".weight_scale"].dtype in _E8M0_DTYPES \
+                and len(T[name + ".weight_scale"].shape) == 2:
+            # ComfyUI's MXFP8 form without its JSON: power-of-two UE8M0 scales say what it is
+            source, comfy_format = MXFP8_BY_TENSORS, MXFP8_FORMAT
         else:
             source = WEIGHT_SCALE
         suffix = present[0]
@@ -341,13 +348,14 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     return DetectedFormat(hdr, layers, consumed, input_scales, scales, orig_dtype, report)
 
 
-def _unsupported_key(path, key: str, suf: str) -> FormatError:
-    """Why a key of a quantization scheme outside the ones this pack reads is refused, and what to do."""
+def _unsupported_key(path, key: str, suf: str, why: str = "") -> FormatError:
+    """Why a key of a quantization scheme outside the ones this pack reads is refused, and what to do. `why`:
+    for an NVFP4 tensor scale, what kept its layer from being read as NVFP4 by its tensors."""
     if suf in _NVFP4_LIKE_SUFFIXES:
         layer = key[: -len(suf)]
         return _err(path, key, f"'{suf}' is an NVFP4 tensor scale, but the layer '{layer}' is not marked as "
-                    "NVFP4: this pack reads NVFP4 in ComfyUI's form only and does not read other NVFP4 layouts "
-                    "(modelopt's, compressed-tensors')",
+                    f"NVFP4{' and ' + why if why else ''}: this pack reads NVFP4 in ComfyUI's form only and does "
+                    "not read other NVFP4 layouts (modelopt's, compressed-tensors')",
                     f"a '{layer}.comfy_quant' JSON (or a _quantization_metadata entry) saying "
                     '{"format": "nvfp4"}, with a uint8 packed \'.weight\', e4m3 \'.weight_scale\' and float32 '
                     "'.weight_scale_2' (the form ComfyUI 0.33 writes; this pack's Quantize Model to FP8 node "
@@ -357,6 +365,24 @@ def _unsupported_key(path, key: str, suf: str) -> FormatError:
                 "(packed integers with zero points or lookup tables), which this pack does not read",
                 "an FP8 checkpoint (float8 weights with float scales), ComfyUI's int8 / mxfp8 / nvfp4 "
                 "per-layer forms, or the model in bf16/fp16 to convert with this pack")
+
+
+def _nvfp4_by_tensors(T: dict, name: str) -> str | None:
+    """None when the layer `name` has the tensors of ComfyUI's NVFP4 form (a uint8 2-D `.weight`, a
+    float8_e4m3fn 2-D `.weight_scale`, a one-value float32 `.weight_scale_2`), else what differs (for the
+    message that refuses it). Their sizes are checked as for any NVFP4 layer, when it is read."""
+    wk, sk, s2k = name + ".weight", name + ".weight_scale", name + ".weight_scale_2"
+    if wk not in T:
+        return f"it has no '{wk}'"
+    if T[wk].dtype != torch.uint8 or len(T[wk].shape) != 2:
+        return f"its weight is {_fp8_name(T[wk].dtype)} {list(T[wk].shape)}, not packed uint8 [out, in / 2]"
+    if sk not in T:
+        return f"it has no block scales '{sk}'"
+    if T[sk].dtype != torch.float8_e4m3fn or len(T[sk].shape) != 2:
+        return f"its block scales are {_fp8_name(T[sk].dtype)} {list(T[sk].shape)}, not 2-D float8_e4m3fn"
+    if s2k in T and (T[s2k].dtype != torch.float32 or T[s2k].numel != 1):
+        return f"its tensor scale is {_fp8_name(T[s2k].dtype)} {list(T[s2k].shape)}, not one float32 value"
+    return None
 
 
 def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=None) -> dict:
@@ -385,6 +411,22 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
             name = cq_key[: -len(".comfy_quant")]
             confs[name] = (cq, COMFY_METADATA if name in confs else COMFY_PER_LAYER, cq_key)
 
+    # ComfyUI's form without its JSON (ComfyUI issue #15511: stock loads such files unquantized and fails):
+    # recognised by the tensors alone, where every one of them has the form's dtype and rank
+    listed = set()
+    if QUANT_METADATA_KEY in hdr.metadata:
+        qm = _parse_json_metadata(path, f"__metadata__.{QUANT_METADATA_KEY}", hdr.metadata[QUANT_METADATA_KEY],
+                                  "quantization metadata JSON")
+        if isinstance(qm, dict) and isinstance(qm.get("layers"), dict):
+            listed = set(qm["layers"])
+    for s2k in T:
+        if not s2k.endswith(".weight_scale_2"):
+            continue
+        name = s2k[: -len(".weight_scale_2")]
+        if name in confs or name in listed or name + ".comfy_quant" in T or _nvfp4_by_tensors(T, name) is not None:
+            continue  # marked otherwise, or not this form: refused by the general reader, saying why
+        confs[name] = ({"format": "nvfp4"}, NVFP4_BY_TENSORS, s2k)
+
     found = {}
     for name, (cq, source, conf_key) in sorted(confs.items()):
         cq_key = name + ".comfy_quant"
@@ -404,7 +446,11 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
         try:
             layout, scale = nvfp4_scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
         except QuantizationError as exc:
-            raise _err(path, sk, f"bad NVFP4 scales ({exc})",
+            unmarked = ("; the layer has no comfy_quant, so it was taken for ComfyUI's NVFP4 form by its tensors, "
+                        "but its block scales are not laid out as that form lays them out (modelopt and "
+                        "compressed-tensors keep them [out, in / 16] in plain order, which this pack does not "
+                        "read)") if source == NVFP4_BY_TENSORS else ""
+            raise _err(path, sk, f"bad NVFP4 scales ({exc}){unmarked}",
                        "e4m3 block scales in cuBLAS's 128x4 tiled order and one finite float32 scale > 0") from exc
         block, ts = split_scales(scale, layout)
         check_nvfp4_range(path, s2k, block, float(ts), compute_dtype)
