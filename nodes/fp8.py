@@ -198,6 +198,8 @@ def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict
                      "worst_layer": worst[0]}
     if "nvfp4" in report.granularities and "weight-only" not in s["compute_path"]:
         s["compute_path"] += "; nvfp4 layers weight-only"  # the fp4 x fp4 matmul is not used
+    if "awq_w4a16" in report.granularities and "weight-only" not in s["compute_path"]:
+        s["compute_path"] += "; awq_w4a16 layers weight-only"  # dequantized as kitchen's eager code, then multiplied
     return s
 
 
