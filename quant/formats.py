@@ -25,6 +25,12 @@ Formats (see DESIGN.md):
 | `blockwise_scale_inv`  | `.weight_scale_inv` per block (DeepSeek style, 128x128)                |
 | (per layer) nvfp4      | `.comfy_quant` `{"format": "nvfp4"}`: packed e2m1 `.weight` (uint8),   |
 |                        | e4m3 `.weight_scale` (tiled), `.weight_scale_2` (quant/layouts/nvfp4.py)       |
+| `nvfp4_without_metadata` / `mxfp8_without_metadata` | the same forms with no JSON: recognised by the     |
+|                        | tensors (uint8 weight + 2-D e4m3 scales + f32 `.weight_scale_2`; e4m3fn weight + UE8M0) |
+| (per layer) awq_w4a16  | int8 `.weight` [N, K/2] + `.weight_scale`, `.weight_zeros` (or `_zero`) [K/G, N]   |
+|                        | (quant/layouts/awq.py)                                                 |
+| (per layer) svdquant_w4a4 | tiled int8 `.weight` + `.weight_scale`, `.smooth_factor`, `.proj_down`, `.proj_up` |
+|                        | (quant/layouts/svdquant.py; read as its effective weight)              |
 
 Every scale multiplies: `w = fp8 * expand(scale)`. Block scales are read only with the block sizes of
 `KNOWN_BLOCKS` or the one the file declares, and scales that would overflow the compute dtype are
@@ -43,7 +49,7 @@ from typing import Callable, Iterable
 import torch
 
 from .errors import FormatError, QuantizationError
-from .layouts import awq, layout_for, mxfp8
+from .layouts import awq, layout_for, mxfp8, svdquant
 from .layouts.comfy_int8 import INT8_FORMATS, plan_layer
 from .layouts.nvfp4 import GROUP as NVFP4_GROUP, scales_from_file as nvfp4_scales_from_file, split_scales
 from .tensor import QuantizedTensor
@@ -53,7 +59,7 @@ from .format_report import (  # noqa: F401 - format names and report types are p
     _fp8_name, _make_report)
 from .format_scales import (  # noqa: F401
     KNOWN_BLOCKS, _check_declared_group, _check_scale_values, block_grid, check_nvfp4_range, check_scale_range,
-    infer_layout)
+    infer_layout, nvfp4_by_tensors)
 from .safetensors_file import (  # noqa: F401
     MAX_COMFY_QUANT_BYTES, MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_METADATA_JSON_BYTES, ST_DTYPES, ST_NAMES,
     SafetensorsHeader, TensorEntry, _err, _FileReader, _is_int, _loads, _MappedReader, _short, read_header)
@@ -112,7 +118,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     for key in T:
         for suf in _UNSUPPORTED_SUFFIXES:
             if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
-                why = _nvfp4_by_tensors(T, key[: -len(suf)]) if suf == ".weight_scale_2" else ""
+                why = nvfp4_by_tensors(T, key[: -len(suf)]) if suf == ".weight_scale_2" else ""
                 raise _unsupported_key(path, key, suf, why or "")
 
     # ---- markers of ComfyUI's legacy scaled fp8 format: "<prefix>scaled_fp8"
@@ -367,24 +373,6 @@ def _unsupported_key(path, key: str, suf: str, why: str = "") -> FormatError:
                 "per-layer forms, or the model in bf16/fp16 to convert with this pack")
 
 
-def _nvfp4_by_tensors(T: dict, name: str) -> str | None:
-    """None when the layer `name` has the tensors of ComfyUI's NVFP4 form (a uint8 2-D `.weight`, a
-    float8_e4m3fn 2-D `.weight_scale`, a one-value float32 `.weight_scale_2`), else what differs (for the
-    message that refuses it). Their sizes are checked as for any NVFP4 layer, when it is read."""
-    wk, sk, s2k = name + ".weight", name + ".weight_scale", name + ".weight_scale_2"
-    if wk not in T:
-        return f"it has no '{wk}'"
-    if T[wk].dtype != torch.uint8 or len(T[wk].shape) != 2:
-        return f"its weight is {_fp8_name(T[wk].dtype)} {list(T[wk].shape)}, not packed uint8 [out, in / 2]"
-    if sk not in T:
-        return f"it has no block scales '{sk}'"
-    if T[sk].dtype != torch.float8_e4m3fn or len(T[sk].shape) != 2:
-        return f"its block scales are {_fp8_name(T[sk].dtype)} {list(T[sk].shape)}, not 2-D float8_e4m3fn"
-    if s2k in T and (T[s2k].dtype != torch.float32 or T[s2k].numel != 1):
-        return f"its tensor scale is {_fp8_name(T[s2k].dtype)} {list(T[s2k].shape)}, not one float32 value"
-    return None
-
-
 def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=None) -> dict:
     """The layers of a file in ComfyUI's NVFP4 form (see quant/layouts/nvfp4.py): a `.comfy_quant` or an entry of
     `_quantization_metadata` (which ComfyUI turns into `.comfy_quant`) says "nvfp4". Returns
@@ -423,7 +411,7 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
         if not s2k.endswith(".weight_scale_2"):
             continue
         name = s2k[: -len(".weight_scale_2")]
-        if name in confs or name in listed or name + ".comfy_quant" in T or _nvfp4_by_tensors(T, name) is not None:
+        if name in confs or name in listed or name + ".comfy_quant" in T or nvfp4_by_tensors(T, name) is not None:
             continue  # marked otherwise, or not this form: refused by the general reader, saying why
         confs[name] = ({"format": "nvfp4"}, NVFP4_BY_TENSORS, s2k)
 
@@ -521,7 +509,24 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
                 progress(i + 1, total)
     finally:
         rd.close()
+    _fold_unsigned_shifts(out, det)
     return out, det.report
+
+
+def _fold_unsigned_shifts(out: dict, det: DetectedFormat) -> None:
+    """An act_unsigned SVDQuant layer's product adds a constant per output (kitchen shifts its activation by
+    0.171875 before the 4-bit branch); the compute floor multiplies the effective weight only, so the constant
+    goes into the layer's bias (made in the file's dtype where the file has none)."""
+    for key, info in det.layers.items():
+        w = out.get(key)
+        if info.granularity != svdquant.FORMAT or w is None:
+            continue
+        c = svdquant.unsigned_shift_bias(w)
+        if c is None:
+            continue
+        bias_key = info.name + ".bias"
+        bias = out.get(bias_key)
+        out[bias_key] = (c if bias is None else bias.float() + c).to(det.orig_dtype if bias is None else bias.dtype)
 
 
 def _integer_layer(path, name: str, T: dict, rd: "_LazyReader", meta_conf: dict | None):
@@ -530,7 +535,7 @@ def _integer_layer(path, name: str, T: dict, rd: "_LazyReader", meta_conf: dict 
     `<layer>.comfy_quant`, or from the `_quantization_metadata` entry (`meta_conf`) where the file has no such
     tensor."""
     cq_key = name + ".comfy_quant"
-    formats_known = INT8_FORMATS + (awq.FORMAT,)
+    formats_known = INT8_FORMATS + (awq.FORMAT, svdquant.FORMAT)
     expected = 'uint8 bytes of a JSON object like {"format": "int8_tensorwise"}'
     if cq_key in T:
         ce = T[cq_key]
@@ -549,10 +554,11 @@ def _integer_layer(path, name: str, T: dict, rd: "_LazyReader", meta_conf: dict 
         return _err(path, key, problem, want)
 
     source = COMFY_PER_LAYER if cq_key in T else COMFY_METADATA
-    if cq["format"] == awq.FORMAT:
-        layout, scale, scale_key, extra, decode = awq.plan_layer(err, name, cq, T, rd.get)
+    if cq["format"] in (awq.FORMAT, svdquant.FORMAT):
+        plan = awq.plan_layer if cq["format"] == awq.FORMAT else svdquant.plan_layer
+        layout, scale, scale_key, extra, decode = plan(err, name, cq, T, rd.get)
         extra = tuple(k for k in extra if k in T)
-        info = LayerInfo(name, source, awq.FORMAT, None, torch.int8, layout.shape, name + ".weight", scale_key,
+        info = LayerInfo(name, source, cq["format"], None, torch.int8, layout.shape, name + ".weight", scale_key,
                          None, bool(cq.get("full_precision_matrix_mult", False)), extra, layout, decode)
         return info, scale
     if T[name + ".weight"].dtype != torch.int8:
