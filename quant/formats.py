@@ -290,7 +290,9 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
             try:
                 scale = mxfp8.scales_from_file(rd.get(scale_key), e.shape)
             except QuantizationError as exc:
-                raise _err(path, scale_key, f"bad MXFP8 block scales ({exc})",
+                unmarked = ("; the layer has no comfy_quant, so its e4m3fn weight and UE8M0 scales were taken for "
+                            "ComfyUI's MXFP8 form") if source == MXFP8_BY_TENSORS else ""
+                raise _err(path, scale_key, f"bad MXFP8 block scales ({exc}){unmarked}",
                            "UE8M0 bytes in cuBLAS's 128x4 tiled order, one per row and 32 inputs") from exc
         else:
             gran, block, norm_shape = infer_layout(path, scale_key, e.shape, se.shape, source, hint)

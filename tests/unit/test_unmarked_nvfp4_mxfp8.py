@@ -118,3 +118,14 @@ def test_saving_an_unmarked_file_writes_comfyuis_marked_form(tmp_path):
     for name in SHAPES:
         assert torch.equal(again[name + ".weight"].dequantize(torch.float32),
                            loaded[name + ".weight"].dequantize(torch.float32)), name
+
+
+def test_unmarked_mxfp8_with_scales_of_another_grid_is_refused_saying_why(tmp_path):
+    sd = _model(lambda shape: MXFP8())
+    _, bare = _stripped(tmp_path, sd)
+    tensors = st_load(str(bare))
+    tensors["blocks.0.attn.qkv.weight_scale"] = tensors["blocks.0.attn.qkv.weight_scale"][:, :4].contiguous()
+    save_file(tensors, str(tmp_path / "grid.safetensors"))
+    _raises(tmp_path / "grid.safetensors", "'blocks.0.attn.qkv.weight_scale'", "bad MXFP8 block scales",
+            "taken for ComfyUI's MXFP8 form")
+
