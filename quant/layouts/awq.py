@@ -113,9 +113,21 @@ class AWQW4A16(LayoutBase):
         """``[N, K]`` in ``dtype``: ``(code - 8) * scale + zero`` formed as comfy-kitchen forms it (in ``dtype``
         promoted with the scale dtype, one rounding per operation), then cast to ``dtype``."""
         n, k, g = self.rows, self.cols, self.group
+        s, z = scale[0].t().unsqueeze(-1), scale[1].t().unsqueeze(-1)
+        if torch.promote_types(dtype, scale.dtype) == dtype:
+            # the same operations in place, in one buffer: the codes converted while they are unpacked
+            b = q.reshape(n, k // 2).view(torch.uint8)
+            w = out if out is not None and out.dtype == dtype and out.is_contiguous() else torch.empty(
+                n, k, dtype=dtype, device=q.device)
+            w = w.view(n, k)
+            w[:, 0::2] = b & 0x0F
+            w[:, 1::2] = b >> 4
+            w.view(n, k // g, g).sub_(8.0).mul_(s).add_(z)
+            if out is None:
+                return w
+            return out if w.data_ptr() == out.data_ptr() else out.copy_(w)
         codes = unpack_codes(q.reshape(n, k // 2)).view(n, k // g, g).to(dtype)
-        w = (codes - 8.0) * scale[0].t().unsqueeze(-1) + scale[1].t().unsqueeze(-1)
-        w = w.view(n, k).to(dtype)
+        w = ((codes - 8.0) * s + z).view(n, k).to(dtype)  # formed in the promoted dtype, then cast
         if out is not None:
             return out.copy_(w)
         return w

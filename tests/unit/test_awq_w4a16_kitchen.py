@@ -178,6 +178,9 @@ def test_awq_generic_ops_keep_the_bits():
     for other in (w.clone(), w.detach(), w.to("cpu", copy=True), torch.empty_like(w).copy_(w)):
         assert torch.equal(other.dequantize(torch.float32), ref)
     assert torch.equal(w.to(torch.float32), ref)  # a dtype change dequantizes
+    for dtype in (torch.float32, torch.bfloat16):  # into a caller's buffer (in place, or promoted then copied)
+        buf = torch.empty(16, 128, dtype=dtype)
+        assert lay.dequantize(w.qdata, w.scale, dtype, out=buf) is buf and torch.equal(buf, w.dequantize(dtype))
 
 
 def test_awq_rtn_quantizer_sqnr():
