@@ -116,8 +116,9 @@ class SVDQuantW4A4(LayoutBase):
             at += n
         return out
 
-    def natural(self, q: torch.Tensor, scale: torch.Tensor):
-        """(signed codes int8 [N, K], scales [K/64, N], smooth [K], proj_down [K, R], proj_up [N, R])."""
+    def natural(self, q: torch.Tensor, scale: torch.Tensor, unpack: bool = True):
+        """(signed codes int8 [N, K] (or, without ``unpack``, their bytes [N, K/2]), scales [K/64, N], smooth [K],
+        proj_down [K, R], proj_up [N, R])."""
         p = self.split(scale)
         w = untile_weight(q) if self.tiled else q.reshape(self.rows, self.cols // 2)
         ws, up = p["weight_scale"], p["proj_up"]
@@ -125,17 +126,21 @@ class SVDQuantW4A4(LayoutBase):
             ws = ws.permute(1, 0, 2).reshape(self.cols // GROUP, self.rows)
         if up.dim() == 3:
             up = up.permute(0, 2, 1).reshape(self.rows, self.rank)
-        return unpack_signed(w), ws, p["smooth_factor"], p["proj_down"], up
+        return (unpack_signed(w) if unpack else w), ws, p["smooth_factor"], p["proj_down"], up
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """The effective ``[N, K]`` weight in ``dtype`` (see the module docstring), formed in float32 (float64
         when asked for float64) and rounded once."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        codes, ws, smooth, down, up = self.natural(q, scale)
+        packed, ws, smooth, down, up = self.natural(q, scale, unpack=False)
         n, k = self.shape
-        w = (codes.to(work).view(n, k // GROUP, GROUP) * ws.to(work).t().unsqueeze(-1)).view(n, k)
-        w = w / smooth.to(work).unsqueeze(0) + up.to(work) @ down.to(work).t()
+        b = packed.view(torch.uint8)
+        w = torch.empty(n, k, dtype=work, device=q.device)
+        w[:, 0::2] = (b & 0x0F) ^ 8  # a signed nibble v is stored as v & 15: (v & 15) ^ 8 is v + 8
+        w[:, 1::2] = (b >> 4) ^ 8
+        w.sub_(8.0).view(n, k // GROUP, GROUP).mul_(ws.to(work).t().unsqueeze(-1))
+        w.div_(smooth.to(work)).addmm_(up.to(work), down.to(work).t())
         w = w.to(dtype)
         if out is not None:
             return out.copy_(w)
