@@ -511,11 +511,11 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
                 progress(i + 1, total)
     finally:
         rd.close()
-    _fold_unsigned_shifts(out, det)
+    _fold_unsigned_shifts(out, det, None if keys is None else set(wanted))
     return out, det.report
 
 
-def _fold_unsigned_shifts(out: dict, det: DetectedFormat) -> None:
+def _fold_unsigned_shifts(out: dict, det: DetectedFormat, wanted: set | None) -> None:
     """An act_unsigned SVDQuant layer's product adds a constant per output (kitchen shifts its activation by
     0.171875 before the 4-bit branch); the compute floor multiplies the effective weight only, so the constant
     goes into the layer's bias (made in the file's dtype where the file has none)."""
@@ -527,6 +527,8 @@ def _fold_unsigned_shifts(out: dict, det: DetectedFormat) -> None:
         if c is None:
             continue
         bias_key = info.name + ".bias"
+        if wanted is not None and bias_key not in wanted and bias_key in det.header.tensors:
+            continue  # the caller did not ask for this layer's bias (it gets the weight alone)
         bias = out.get(bias_key)
         out[bias_key] = (c if bias is None else bias.float() + c).to(det.orig_dtype if bias is None else bias.dtype)
 

@@ -240,6 +240,9 @@ def plan_layer(err, name: str, cq: dict, tensors: dict, get):
         "proj_down": [(k, max(rank, 1))],
         "proj_up": [(n, max(rank, 1))] + ([(n // TILE_N, max(rank, 1), TILE_N)] if tiled else []),
     }
+    if rank > min(n, k):
+        raise err(keys["proj_down"], f"a low-rank branch of rank {rank} for a weight of {n} outputs and {k} inputs",
+                  f"a rank of at most {min(n, k)} (SVDQuant writes 16 to 128)")
     for part, key in keys.items():
         shape = tuple(tensors[key].shape)
         if shape not in wants[part] or rank < 1:

@@ -143,6 +143,8 @@ def _conf(**extra):
     (lambda t: t.update({"fp16.weight_scale": t["fp16.weight_scale"].reshape(-1)}), ["fp16.weight_scale", "[1, 1, 128]"]),
     (lambda t: t.update({"fp16.weight": t["fp16.weight"][:, :, :16].contiguous()}), ["fp16.weight", "[N/128, K/64, 32, 128]"]),
     (lambda t: t.pop("fp16.proj_down"), ["fp16.proj_down", "missing"]),
+    (lambda t: t.update({"fp16.proj_down": torch.zeros(64, 200, dtype=torch.float16),
+                         "fp16.proj_up": torch.zeros(1, 200, 128, dtype=torch.float16)}), ["fp16.proj_down", "rank 200"]),
     (lambda t: t.update({"fp16.smooth_factor": torch.zeros_like(t["fp16.smooth_factor"])}), ["fp16.smooth_factor", "zeros"]),
     (lambda t: t.update({"fp16.weight_proj_up": t["fp16.proj_up"].clone()}), ["fp16.weight_proj_up", "both"]),
     (lambda t: t.update({"fp16.comfy_quant": _conf(lowrank_branch_input_basis="post_smoothing",
@@ -152,3 +154,10 @@ def _conf(**extra):
 def test_inconsistent_layers_are_refused_naming_the_key(kitchen_files, tmp_path, change, words):
     msg = _bad(kitchen_files, tmp_path, change)
     assert all(w in msg for w in words), msg
+
+
+def test_loading_a_weight_alone_leaves_the_bias_out(kitchen_files):
+    path, _ = kitchen_files
+    sd, _ = formats.load_file(path, keys=["mlp_fc2_unsigned.weight"])
+    assert set(sd) == {"mlp_fc2_unsigned.weight"}
+
