@@ -161,3 +161,24 @@ def test_loading_a_weight_alone_leaves_the_bias_out(kitchen_files):
     sd, _ = formats.load_file(path, keys=["mlp_fc2_unsigned.weight"])
     assert set(sd) == {"mlp_fc2_unsigned.weight"}
 
+
+
+def test_the_natural_form_reads_the_same_weight(kitchen_files, tmp_path):
+    """The spec's natural family (weight [N, K/2], no "layout" in the JSON) is the same layer untiled."""
+    path, refs = kitchen_files
+    t = {k: v for k, v in _tensors(path).items() if k.startswith("attn_qkv.")}
+    t["attn_qkv.weight"] = untile_weight(t["attn_qkv.weight"]).contiguous()
+    ws, up = t["attn_qkv.weight_scale"], t["attn_qkv.proj_up"]  # [N/128, K/64, 128], [N/128, R, 128]
+    t["attn_qkv.weight_scale"] = ws.permute(1, 0, 2).reshape(ws.shape[1], -1).contiguous()
+    t["attn_qkv.proj_up"] = up.permute(0, 2, 1).reshape(-1, up.shape[1]).contiguous()
+    t["attn_qkv.comfy_quant"] = torch.tensor(list(b'{"format": "svdquant_w4a4"}'), dtype=torch.uint8)
+    natural = tmp_path / "natural.safetensors"
+    save_file(t, str(natural))
+    sd, _ = formats.load_file(natural)
+    w = sd["attn_qkv.weight"]
+    assert not w.layout.tiled and w.qdata.dim() == 3
+    tiled, _ = formats.load_file(path, keys=["attn_qkv.weight"])
+    assert torch.equal(w.dequantize(torch.float32), tiled["attn_qkv.weight"].dequantize(torch.float32))
+    save.save_state_dict(sd, tmp_path / "natural_saved.safetensors")
+    back = _tensors(tmp_path / "natural_saved.safetensors")
+    assert torch.equal(back["attn_qkv.weight"], t["attn_qkv.weight"])
