@@ -140,7 +140,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
 
     # ---- ComfyUI mixed precision header metadata
     meta_layers: dict[str, dict] | None = None
-    meta_own: dict[str, dict] = {}  # layers in a per-layer form of their own (AWQ) listed in the metadata
+    meta_own: dict[str, dict] = {}  # layers in a per-layer form of their own (AWQ, SVDQuant) listed in the metadata
     if QUANT_METADATA_KEY in hdr.metadata:
         mk = f"__metadata__.{QUANT_METADATA_KEY}"
         expected = '{"format_version": "1.0", "layers": {name: {"format": "float8_e4m3fn"}}}'
@@ -154,7 +154,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
                            '{"format": "float8_e4m3fn"} (the plain-string form crashes ComfyUI 0.3.75)')
             if entry.get("format") == "nvfp4" and name + ".weight" in nv_layers:
                 continue  # read above, with its own checks
-            if entry.get("format") == awq.FORMAT:
+            if entry.get("format") in (awq.FORMAT, svdquant.FORMAT):
                 meta_own[name] = entry  # read with the layer below (ComfyUI turns it into a .comfy_quant)
                 continue
             if not isinstance(entry.get("format"), str) or entry.get("format") not in COMFY_FORMATS:
@@ -204,7 +204,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         if not (present or has_cq or in_meta):
             continue  # plain tensors and plain casts are decided below
         if (has_cq or name in meta_own) and e.dtype in (torch.int8, torch.uint8):
-            # ComfyUI 0.33's int8 formats (quant/layouts/comfy_int8.py), kitchen 0.2.40's AWQ (layouts/awq.py)
+            # ComfyUI 0.33's int8 formats (layouts/comfy_int8.py), kitchen 0.2.40's AWQ and SVDQuant (awq.py, svdquant.py)
             layers[wk], scales[wk] = _integer_layer(path, name, T, rd, meta_own.get(name))
             consumed.update((layers[wk].scale_key,) + layers[wk].consumed)
             continue
@@ -535,7 +535,7 @@ def _fold_unsigned_shifts(out: dict, det: DetectedFormat, wanted: set | None) ->
 
 def _integer_layer(path, name: str, T: dict, rd: "_LazyReader", meta_conf: dict | None):
     """LayerInfo and scale of a layer with an integer weight and a format of its own: one of ComfyUI's int8
-    formats (int8_tensorwise, convrot_w4a4, asym_w4a8_int8) or comfy-kitchen's awq_w4a16. Its JSON comes from
+    formats (int8_tensorwise, convrot_w4a4, asym_w4a8_int8) or comfy-kitchen's awq_w4a16 / svdquant_w4a4. Its JSON comes from
     `<layer>.comfy_quant`, or from the `_quantization_metadata` entry (`meta_conf`) where the file has no such
     tensor."""
     cq_key = name + ".comfy_quant"

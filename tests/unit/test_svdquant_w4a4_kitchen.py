@@ -182,3 +182,16 @@ def test_the_natural_form_reads_the_same_weight(kitchen_files, tmp_path):
     save.save_state_dict(sd, tmp_path / "natural_saved.safetensors")
     back = _tensors(tmp_path / "natural_saved.safetensors")
     assert torch.equal(back["attn_qkv.weight"], t["attn_qkv.weight"])
+
+
+def test_a_layer_listed_in_quantization_metadata_reads_the_same(kitchen_files, tmp_path):
+    path, _ = kitchen_files
+    t = {k: v for k, v in _tensors(path).items() if k.startswith("fp16.")}
+    conf = json.loads(bytes(t.pop("fp16.comfy_quant").tolist()))
+    meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {"fp16": conf}})}
+    save_file(t, str(tmp_path / "meta.safetensors"), metadata=meta)
+    sd, report = formats.load_file(tmp_path / "meta.safetensors")
+    base, _ = formats.load_file(path, keys=["fp16.weight"])
+    assert report.formats == {"comfy_quant_metadata": 1}
+    assert torch.equal(sd["fp16.weight"].dequantize(torch.float32), base["fp16.weight"].dequantize(torch.float32))
+
