@@ -52,7 +52,11 @@ def _latent(comfy, output_dir, loader: dict, prefix: str):
 
 
 def test_awq_and_svdquant_layers_sample_like_their_effective_weights(comfy, output_dir, int4_files):
+    auto, hist_auto = _latent(comfy, output_dir, fp8_loader(QUANT), "int4_pack_auto")
+    path = hist_auto["outputs"]["1"]["fp8_summary"][0]["compute_path"]
+    assert "awq_w4a16 layers weight-only" in path and "svdquant_w4a4 layers weight-only" in path, path
     ours, hist = _latent(comfy, output_dir, fp8_loader(QUANT, "weight-only"), "int4_pack")
+    assert torch.equal(auto, ours)  # no fast path takes these layers under "auto"
     theirs, _ = _latent(comfy, output_dir, {"class_type": "UNETLoader",
                                             "inputs": {"unet_name": REF, "weight_dtype": "default"}}, "int4_ref")
     s = hist["outputs"]["1"]["fp8_summary"][0]
