@@ -204,6 +204,10 @@ def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict
                      "worst_layer": worst[0]}
     if "nvfp4" in report.granularities and "weight-only" not in s["compute_path"]:
         s["compute_path"] += "; nvfp4 layers weight-only"  # the fp4 x fp4 matmul is not used
+    for fmt in ("awq_w4a16", "svdquant_w4a4"):  # dequantized (SVDQuant: its effective weight), then multiplied
+        if fmt in report.granularities and s["compute_path"] != "weight-only" \
+                and not s["compute_path"].startswith("auto: weight-only"):
+            s["compute_path"] += f"; {fmt} layers weight-only"  # on every path, no int8 conversion either
     return s
 
 

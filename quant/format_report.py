@@ -22,6 +22,11 @@ MXFP8_FORMAT = "mxfp8"
 COMFY_FORMATS = {**FP8_BY_NAME, MXFP8_FORMAT: torch.float8_e4m3fn}
 
 
+# packed formats whose data is not what the stored dtype says: the name reports give their values
+AWQ_FORMAT = "awq_w4a16"
+SVDQUANT_FORMAT = "svdquant_w4a4"
+_DATA_NAMES = {"nvfp4": "e2m1", AWQ_FORMAT: "uint4", SVDQUANT_FORMAT: "int4"}
+
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 # Format names (FormatReport.format, LayerInfo.source)
@@ -33,6 +38,9 @@ MUSUBI = "musubi_fp8_scaled"
 WEIGHT_SCALE = "weight_scale"
 BLOCKWISE_INV = "blockwise_scale_inv"
 UNQUANTIZED = "unquantized"
+# ComfyUI's NVFP4 form without its comfy_quant JSON or metadata entry, recognised by its tensors alone
+NVFP4_BY_TENSORS = "nvfp4_without_metadata"
+MXFP8_BY_TENSORS = "mxfp8_without_metadata"  # the same for MXFP8 (e4m3fn weight, UE8M0 block scales)
 
 
 def _fp8_name(dtype: torch.dtype) -> str:
@@ -142,7 +150,7 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     for k, e in hdr.tensors.items():
         if k in consumed:
             continue
-        if k.endswith(".weight") and len(e.shape) == 2:
+        if k.endswith(".weight") and (len(e.shape) == 2 or k in layers):  # tiled 4-bit data is 4-D
             linear += 1
         if k in layers and layers[k].granularity == "nvfp4":
             bf16 += e.numel * 4  # two 4-bit values per byte
@@ -155,12 +163,35 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     stock = all(i.granularity == "tensor" and i.source in (PLAIN, COMFY_SCALED, COMFY_METADATA) and
                 (i.source != COMFY_METADATA or i.fp8_dtype == torch.float8_e4m3fn) for i in layers.values())
     notes = []
+    unmarked = sum(1 for i in layers.values() if i.source == NVFP4_BY_TENSORS)
+    if unmarked:
+        notes.append(f"{unmarked} layer(s) without comfy_quant metadata recognised as NVFP4 by their tensors (packed "
+                     "uint8 weight, float8_e4m3fn block scales in ComfyUI's tiled order, float32 weight_scale_2); "
+                     "stock ComfyUI loads such files unquantized and fails (its issue #15511)")
+    unmarked = sum(1 for i in layers.values() if i.source == MXFP8_BY_TENSORS)
+    if unmarked:
+        notes.append(f"{unmarked} layer(s) without comfy_quant metadata recognised as MXFP8 by their tensors "
+                     "(float8_e4m3fn weight, UE8M0 block scales in ComfyUI's tiled order)")
+    svd = [i for i in layers.values() if i.granularity == SVDQUANT_FORMAT]
+    if svd:
+        shifted = sum(1 for i in svd if i.layout.act_unsigned)
+        notes.append(f"{len(svd)} svdquant_w4a4 layer(s) (comfy-kitchen 0.2.40's SVDQuant W4A4): run weight-only on "
+                     "their effective weight (4-bit weight and smoothing with the low-rank branch folded in); "
+                     "kitchen's W4A4 product also rounds the activation to 4 bits, which the pack does not"
+                     + (f"; {shifted} act_unsigned layer(s): the constant their activation shift adds is folded "
+                        "into the bias" if shifted else ""))
     if any(i.granularity == "nvfp4" for i in layers.values()):
         notes.append("nvfp4 layers (ComfyUI's own form): stock ComfyUI 0.29 and newer read them, older ones "
                      "cannot; this pack runs them weight-only")
     elif any(i.granularity == "mxfp8" for i in layers.values()):
         notes.append("mxfp8 layers (ComfyUI 0.29's own form): stock ComfyUI 0.29 and newer read them, 0.3.75 cannot "
                      "(for it, quantize per tensor)")
+    elif any(i.granularity == AWQ_FORMAT for i in layers.values()):
+        notes.append("awq_w4a16 layers (comfy-kitchen 0.2.40's AWQ W4A16: 4-bit codes, a scale and a zero point "
+                     "per group): ComfyUI 0.33 and older cannot read them; this pack runs them weight-only "
+                     "(dequantized as kitchen's eager code does, then multiplied)")
+    elif svd:
+        pass  # said above
     elif any(i.layout is not None for i in layers.values()):
         notes.append("int8 layers in ComfyUI 0.33's own form (int8_tensorwise / convrot_w4a4 / asym_w4a8_int8): "
                      "stock ComfyUI 0.33 reads them, 0.3.75 cannot")
@@ -172,7 +203,7 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
     return FormatReport(
         path=hdr.path, format=name, formats=formats, layers_quantized=len(layers), linear_weights=linear,
         bytes_on_disk=hdr.file_size, bytes_bf16=bf16,
-        fp8_dtypes=sorted({"e2m1" if i.granularity == "nvfp4" else _fp8_name(i.fp8_dtype) for i in layers.values()}),
+        fp8_dtypes=sorted({_DATA_NAMES.get(i.granularity) or _fp8_name(i.fp8_dtype) for i in layers.values()}),
         granularities=grans,
         fp8_matmul_allowed=fp8_mm, layers=sorted(layers.values(), key=lambda i: i.name), notes=notes,
         stock_comfy_readable=stock,

@@ -2,7 +2,7 @@
 
 The block shapes published formats use (``KNOWN_BLOCKS``), the grid a block gives over a weight, the
 layout a scale shape describes, and the range checks (a scale that would overflow the compute dtype,
-an NVFP4 tensor scale, a declared group size). Floor 6 (file I/O).
+an NVFP4 tensor scale, a declared group size), and whether a layer without metadata has NVFP4's tensors. Floor 6 (file I/O).
 """
 
 from __future__ import annotations
@@ -153,3 +153,21 @@ def check_nvfp4_range(path, key: str, block: torch.Tensor, tensor_scale: float,
                    f"({limit:.4g}): the weights would dequantize to inf and every output to NaN",
                    f"a tensor scale of at most {limit / (max(bmax, 1.0) * E2M1_MAX):.4g} with these block scales "
                    "(a weight's absolute maximum divided by 448 * 6)")
+
+
+def nvfp4_by_tensors(T: dict, name: str) -> str | None:
+    """None when the layer `name` has the tensors of ComfyUI's NVFP4 form (a uint8 2-D `.weight`, a
+    float8_e4m3fn 2-D `.weight_scale`, a one-value float32 `.weight_scale_2`), else what differs (for the
+    message that refuses it). Their sizes are checked as for any NVFP4 layer, when it is read."""
+    wk, sk, s2k = name + ".weight", name + ".weight_scale", name + ".weight_scale_2"
+    if wk not in T:
+        return f"it has no '{wk}'"
+    if T[wk].dtype != torch.uint8 or len(T[wk].shape) != 2:
+        return f"its weight is {_fp8_name(T[wk].dtype)} {list(T[wk].shape)}, not packed uint8 [out, in / 2]"
+    if sk not in T:
+        return f"it has no block scales '{sk}'"
+    if T[sk].dtype != torch.float8_e4m3fn or len(T[sk].shape) != 2:
+        return f"its block scales are {_fp8_name(T[sk].dtype)} {list(T[sk].shape)}, not 2-D float8_e4m3fn"
+    if s2k in T and (T[s2k].dtype != torch.float32 or T[s2k].numel != 1):
+        return f"its tensor scale is {_fp8_name(T[s2k].dtype)} {list(T[s2k].shape)}, not one float32 value"
+    return None

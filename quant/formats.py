@@ -25,6 +25,12 @@ Formats (see DESIGN.md):
 | `blockwise_scale_inv`  | `.weight_scale_inv` per block (DeepSeek style, 128x128)                |
 | (per layer) nvfp4      | `.comfy_quant` `{"format": "nvfp4"}`: packed e2m1 `.weight` (uint8),   |
 |                        | e4m3 `.weight_scale` (tiled), `.weight_scale_2` (quant/layouts/nvfp4.py)       |
+| `nvfp4_without_metadata` / `mxfp8_without_metadata` | the same forms with no JSON: recognised by the     |
+|                        | tensors (uint8 weight + 2-D e4m3 scales + f32 `.weight_scale_2`; e4m3fn weight + UE8M0) |
+| (per layer) awq_w4a16  | int8 `.weight` [N, K/2] + `.weight_scale`, `.weight_zeros` (or `_zero`) [K/G, N]   |
+|                        | (quant/layouts/awq.py)                                                 |
+| (per layer) svdquant_w4a4 | tiled int8 `.weight` + `.weight_scale`, `.smooth_factor`, `.proj_down`, `.proj_up` |
+|                        | (quant/layouts/svdquant.py; read as its effective weight)              |
 
 Every scale multiplies: `w = fp8 * expand(scale)`. Block scales are read only with the block sizes of
 `KNOWN_BLOCKS` or the one the file declares, and scales that would overflow the compute dtype are
@@ -43,17 +49,17 @@ from typing import Callable, Iterable
 import torch
 
 from .errors import FormatError, QuantizationError
-from .layouts import layout_for, mxfp8
+from .layouts import awq, layout_for, mxfp8, svdquant
 from .layouts.comfy_int8 import INT8_FORMATS, plan_layer
 from .layouts.nvfp4 import GROUP as NVFP4_GROUP, scales_from_file as nvfp4_scales_from_file, split_scales
 from .tensor import QuantizedTensor
 from .format_report import (  # noqa: F401 - format names and report types are part of this module's API
     BLOCKWISE_INV, COMFY_FORMATS, COMFY_METADATA, COMFY_PER_LAYER, COMFY_SCALED, FLOAT_DTYPES, FP8_BY_NAME,
-    FP8_DTYPES, MUSUBI, MXFP8_FORMAT, PLAIN, UNQUANTIZED, WEIGHT_SCALE, DetectedFormat, FormatReport, LayerInfo,
+    FP8_DTYPES, MUSUBI, MXFP8_FORMAT, MXFP8_BY_TENSORS, NVFP4_BY_TENSORS, PLAIN, UNQUANTIZED, WEIGHT_SCALE, DetectedFormat, FormatReport, LayerInfo,
     _fp8_name, _make_report)
 from .format_scales import (  # noqa: F401
     KNOWN_BLOCKS, _check_declared_group, _check_scale_values, block_grid, check_nvfp4_range, check_scale_range,
-    infer_layout)
+    infer_layout, nvfp4_by_tensors)
 from .safetensors_file import (  # noqa: F401
     MAX_COMFY_QUANT_BYTES, MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_METADATA_JSON_BYTES, ST_DTYPES, ST_NAMES,
     SafetensorsHeader, TensorEntry, _err, _FileReader, _is_int, _loads, _MappedReader, _short, read_header)
@@ -71,6 +77,8 @@ _INPUT_SCALE_SUFFIXES = (".input_scale", ".scale_input")
 _UNSUPPORTED_SUFFIXES = (".weight_scale_2", ".weight_zero_point", ".weight_global_scale", ".weight_packed",
                          ".weight_shape", ".qweight", ".qzeros", ".scales", ".absmax", ".quant_map")
 _NVFP4_LIKE_SUFFIXES = (".weight_scale_2", ".weight_global_scale")
+# how UE8M0 (MXFP8) scales are stored: safetensors' F8_E8M0 where torch has it, else their bytes
+_E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if d is not None)
 
 
 def _parse_json_metadata(path, key: str, text: str, what: str):
@@ -110,7 +118,8 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     for key in T:
         for suf in _UNSUPPORTED_SUFFIXES:
             if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
-                raise _unsupported_key(path, key, suf)
+                why = nvfp4_by_tensors(T, key[: -len(suf)]) if suf == ".weight_scale_2" else ""
+                raise _unsupported_key(path, key, suf, why or "")
 
     # ---- markers of ComfyUI's legacy scaled fp8 format: "<prefix>scaled_fp8"
     markers: dict[str, bool] = {}  # prefix -> fp8 matmul allowed
@@ -131,6 +140,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
 
     # ---- ComfyUI mixed precision header metadata
     meta_layers: dict[str, dict] | None = None
+    meta_own: dict[str, dict] = {}  # layers in a per-layer form of their own (AWQ, SVDQuant) listed in the metadata
     if QUANT_METADATA_KEY in hdr.metadata:
         mk = f"__metadata__.{QUANT_METADATA_KEY}"
         expected = '{"format_version": "1.0", "layers": {name: {"format": "float8_e4m3fn"}}}'
@@ -144,6 +154,9 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
                            '{"format": "float8_e4m3fn"} (the plain-string form crashes ComfyUI 0.3.75)')
             if entry.get("format") == "nvfp4" and name + ".weight" in nv_layers:
                 continue  # read above, with its own checks
+            if entry.get("format") in (awq.FORMAT, svdquant.FORMAT):
+                meta_own[name] = entry  # read with the layer below (ComfyUI turns it into a .comfy_quant)
+                continue
             if not isinstance(entry.get("format"), str) or entry.get("format") not in COMFY_FORMATS:
                 raise _err(path, f"{mk}.layers.{name}", f"unsupported layer format {_short(entry.get('format'))}",
                            "'float8_e4m3fn', 'float8_e5m2' or 'mxfp8'")
@@ -190,8 +203,9 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         is_fp8 = e.dtype in FP8_DTYPES
         if not (present or has_cq or in_meta):
             continue  # plain tensors and plain casts are decided below
-        if has_cq and e.dtype == torch.int8:  # ComfyUI 0.33's int8 formats: quant/layouts/comfy_int8.py
-            layers[wk], scales[wk] = _comfy_int8_layer(path, name, T, rd)
+        if (has_cq or name in meta_own) and e.dtype in (torch.int8, torch.uint8):
+            # ComfyUI 0.33's int8 formats (layouts/comfy_int8.py), kitchen 0.2.40's AWQ and SVDQuant (awq.py, svdquant.py)
+            layers[wk], scales[wk] = _integer_layer(path, name, T, rd, meta_own.get(name))
             consumed.update((layers[wk].scale_key,) + layers[wk].consumed)
             continue
         if len(present) > 1:
@@ -255,6 +269,10 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
                 full_precision_mm = True
         elif ".weight_scale_inv" in present:
             source = BLOCKWISE_INV
+        elif e.dtype == torch.float8_e4m3fn and T[name + ".weight_scale"].dtype in _E8M0_DTYPES \
+                and len(T[name + ".weight_scale"].shape) == 2:
+            # ComfyUI's MXFP8 form without its JSON: power-of-two UE8M0 scales say what it is
+            source, comfy_format = MXFP8_BY_TENSORS, MXFP8_FORMAT
         else:
             source = WEIGHT_SCALE
         suffix = present[0]
@@ -272,7 +290,9 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
             try:
                 scale = mxfp8.scales_from_file(rd.get(scale_key), e.shape)
             except QuantizationError as exc:
-                raise _err(path, scale_key, f"bad MXFP8 block scales ({exc})",
+                unmarked = ("; the layer has no comfy_quant, so its e4m3fn weight and UE8M0 scales were taken for "
+                            "ComfyUI's MXFP8 form") if source == MXFP8_BY_TENSORS else ""
+                raise _err(path, scale_key, f"bad MXFP8 block scales ({exc}){unmarked}",
                            "UE8M0 bytes in cuBLAS's 128x4 tiled order, one per row and 32 inputs") from exc
         else:
             gran, block, norm_shape = infer_layout(path, scale_key, e.shape, se.shape, source, hint)
@@ -295,6 +315,10 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         layers[wk] = LayerInfo(name, source, gran, block, e.dtype, tuple(e.shape), wk, scale_key, in_key,
                                full_precision_mm, tuple(extra))
 
+    for name in meta_own:
+        if name + ".weight" not in T:
+            raise _err(path, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}",
+                       "metadata lists a layer the file does not hold", f"a tensor '{name}.weight'")
     if meta_layers is not None:
         for name in meta_layers:
             if name + ".weight" not in T:
@@ -332,13 +356,14 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     return DetectedFormat(hdr, layers, consumed, input_scales, scales, orig_dtype, report)
 
 
-def _unsupported_key(path, key: str, suf: str) -> FormatError:
-    """Why a key of a quantization scheme outside the ones this pack reads is refused, and what to do."""
+def _unsupported_key(path, key: str, suf: str, why: str = "") -> FormatError:
+    """Why a key of a quantization scheme outside the ones this pack reads is refused, and what to do. `why`:
+    for an NVFP4 tensor scale, what kept its layer from being read as NVFP4 by its tensors."""
     if suf in _NVFP4_LIKE_SUFFIXES:
         layer = key[: -len(suf)]
         return _err(path, key, f"'{suf}' is an NVFP4 tensor scale, but the layer '{layer}' is not marked as "
-                    "NVFP4: this pack reads NVFP4 in ComfyUI's form only and does not read other NVFP4 layouts "
-                    "(modelopt's, compressed-tensors')",
+                    f"NVFP4{' and ' + why if why else ''}: this pack reads NVFP4 in ComfyUI's form only and does "
+                    "not read other NVFP4 layouts (modelopt's, compressed-tensors')",
                     f"a '{layer}.comfy_quant' JSON (or a _quantization_metadata entry) saying "
                     '{"format": "nvfp4"}, with a uint8 packed \'.weight\', e4m3 \'.weight_scale\' and float32 '
                     "'.weight_scale_2' (the form ComfyUI 0.33 writes; this pack's Quantize Model to FP8 node "
@@ -376,6 +401,22 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
             name = cq_key[: -len(".comfy_quant")]
             confs[name] = (cq, COMFY_METADATA if name in confs else COMFY_PER_LAYER, cq_key)
 
+    # ComfyUI's form without its JSON (ComfyUI issue #15511: stock loads such files unquantized and fails):
+    # recognised by the tensors alone, where every one of them has the form's dtype and rank
+    listed = set()
+    if QUANT_METADATA_KEY in hdr.metadata:
+        qm = _parse_json_metadata(path, f"__metadata__.{QUANT_METADATA_KEY}", hdr.metadata[QUANT_METADATA_KEY],
+                                  "quantization metadata JSON")
+        if isinstance(qm, dict) and isinstance(qm.get("layers"), dict):
+            listed = set(qm["layers"])
+    for s2k in T:
+        if not s2k.endswith(".weight_scale_2"):
+            continue
+        name = s2k[: -len(".weight_scale_2")]
+        if name in confs or name in listed or name + ".comfy_quant" in T or nvfp4_by_tensors(T, name) is not None:
+            continue  # marked otherwise, or not this form: refused by the general reader, saying why
+        confs[name] = ({"format": "nvfp4"}, NVFP4_BY_TENSORS, s2k)
+
     found = {}
     for name, (cq, source, conf_key) in sorted(confs.items()):
         cq_key = name + ".comfy_quant"
@@ -395,7 +436,11 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
         try:
             layout, scale = nvfp4_scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
         except QuantizationError as exc:
-            raise _err(path, sk, f"bad NVFP4 scales ({exc})",
+            unmarked = ("; the layer has no comfy_quant, so it was taken for ComfyUI's NVFP4 form by its tensors, "
+                        "but its block scales are not laid out as that form lays them out (modelopt and "
+                        "compressed-tensors keep them [out, in / 16] in plain order, which this pack does not "
+                        "read)") if source == NVFP4_BY_TENSORS else ""
+            raise _err(path, sk, f"bad NVFP4 scales ({exc}){unmarked}",
                        "e4m3 block scales in cuBLAS's 128x4 tiled order and one finite float32 scale > 0") from exc
         block, ts = split_scales(scale, layout)
         check_nvfp4_range(path, s2k, block, float(ts), compute_dtype)
@@ -466,25 +511,66 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
                 progress(i + 1, total)
     finally:
         rd.close()
+    _fold_unsigned_shifts(out, det, None if keys is None else set(wanted))
     return out, det.report
 
 
-def _comfy_int8_layer(path, name: str, T: dict, rd: "_LazyReader"):
-    """LayerInfo and scale of a layer in one of ComfyUI's int8 formats (int8_tensorwise, convrot_w4a4,
-    asym_w4a8_int8)."""
+def _fold_unsigned_shifts(out: dict, det: DetectedFormat, wanted: set | None) -> None:
+    """An act_unsigned SVDQuant layer's product adds a constant per output (kitchen shifts its activation by
+    0.171875 before the 4-bit branch); the compute floor multiplies the effective weight only, so the constant
+    goes into the layer's bias (made in the file's dtype where the file has none)."""
+    for key, info in det.layers.items():
+        w = out.get(key)
+        if info.granularity != svdquant.FORMAT or w is None:
+            continue
+        c = svdquant.unsigned_shift_bias(w)
+        if c is None:
+            continue
+        bias_key = info.name + ".bias"
+        if wanted is not None and bias_key not in wanted and bias_key in det.header.tensors:
+            continue  # the caller did not ask for this layer's bias (it gets the weight alone)
+        bias = out.get(bias_key)
+        out[bias_key] = (c if bias is None else bias.float() + c).to(det.orig_dtype if bias is None else bias.dtype)
+
+
+def _integer_layer(path, name: str, T: dict, rd: "_LazyReader", meta_conf: dict | None):
+    """LayerInfo and scale of a layer with an integer weight and a format of its own: one of ComfyUI's int8
+    formats (int8_tensorwise, convrot_w4a4, asym_w4a8_int8) or comfy-kitchen's awq_w4a16 / svdquant_w4a4. Its JSON comes from
+    `<layer>.comfy_quant`, or from the `_quantization_metadata` entry (`meta_conf`) where the file has no such
+    tensor."""
     cq_key = name + ".comfy_quant"
-    ce = T[cq_key]
+    formats_known = INT8_FORMATS + (awq.FORMAT, svdquant.FORMAT)
     expected = 'uint8 bytes of a JSON object like {"format": "int8_tensorwise"}'
-    if ce.dtype != torch.uint8 or len(ce.shape) != 1 or ce.nbytes > MAX_COMFY_QUANT_BYTES:
-        raise _err(path, cq_key, f"comfy_quant tensor has dtype {_fp8_name(ce.dtype)} and shape {list(ce.shape)}",
-                   expected)
-    cq = _loads(path, cq_key, rd.get(cq_key).numpy().tobytes(), expected)
-    if not isinstance(cq, dict) or cq.get("format") not in INT8_FORMATS:
-        raise _err(path, cq_key, f"comfy_quant says {_short(cq)} for an int8 weight",
-                   "format " + ", ".join(repr(f) for f in INT8_FORMATS))
-    layout, shape, scale, scale_key, extra, decode = plan_layer(
-        lambda key, problem, want: _err(path, key, problem, want), name, cq, T, rd.get)
-    info = LayerInfo(name, COMFY_PER_LAYER, cq["format"], None, torch.int8, shape, name + ".weight", scale_key,
+    if cq_key in T:
+        ce = T[cq_key]
+        if ce.dtype != torch.uint8 or len(ce.shape) != 1 or ce.nbytes > MAX_COMFY_QUANT_BYTES:
+            raise _err(path, cq_key, f"comfy_quant tensor has dtype {_fp8_name(ce.dtype)} and shape {list(ce.shape)}",
+                       expected)
+        cq = _loads(path, cq_key, rd.get(cq_key).numpy().tobytes(), expected)
+        conf_key = cq_key
+    else:
+        cq, conf_key = meta_conf, f"__metadata__.{QUANT_METADATA_KEY}.layers.{name}"
+    if not isinstance(cq, dict) or cq.get("format") not in formats_known:
+        raise _err(path, conf_key, f"comfy_quant says {_short(cq)} for an integer ({_fp8_name(T[name + '.weight'].dtype)}) "
+                   "weight", "format " + ", ".join(repr(f) for f in formats_known))
+
+    def err(key, problem, want):
+        return _err(path, key, problem, want)
+
+    source = COMFY_PER_LAYER if cq_key in T else COMFY_METADATA
+    if cq["format"] in (awq.FORMAT, svdquant.FORMAT):
+        plan = awq.plan_layer if cq["format"] == awq.FORMAT else svdquant.plan_layer
+        layout, scale, scale_key, extra, decode = plan(err, name, cq, T, rd.get)
+        extra = tuple(k for k in extra if k in T)
+        info = LayerInfo(name, source, cq["format"], None, torch.int8, layout.shape, name + ".weight", scale_key,
+                         None, bool(cq.get("full_precision_matrix_mult", False)), extra, layout, decode)
+        return info, scale
+    if T[name + ".weight"].dtype != torch.int8:
+        raise _err(path, name + ".weight", f"a {cq['format']} weight of dtype {_fp8_name(T[name + '.weight'].dtype)}",
+                   "int8 (ComfyUI 0.33's int8 formats)")
+    layout, shape, scale, scale_key, extra, decode = plan_layer(err, name, cq, T, rd.get)
+    extra = tuple(k for k in extra if k in T)
+    info = LayerInfo(name, source, cq["format"], None, torch.int8, shape, name + ".weight", scale_key,
                      None, bool(cq.get("full_precision_matrix_mult", False)), extra, layout, decode)
     return info, scale
 

@@ -18,6 +18,12 @@ Encoding of a `QuantizedTensor` weight `<layer>.weight`:
 - NVFP4 (`quant.layouts.nvfp4.NVFP4`): ComfyUI's own per-layer "nvfp4" form: `.weight` (uint8, packed e2m1,
   padded to multiples of 16), `.weight_scale` (e4m3 block scales, tiled), `.weight_scale_2` (f32 []),
   `.comfy_quant` `{"format": "nvfp4"}`; 0.29 and newer read it.
+- AWQ W4A16 (`quant.layouts.awq.AWQW4A16`): comfy-kitchen 0.2.40's form: `.weight` (int8 `[N, K/2]`, two
+  unsigned codes per byte), `.weight_scale` and `.weight_zeros` (`[K/G, N]` in their stored float dtype),
+  `.comfy_quant` `{"format": "awq_w4a16", "group_size": G}`; a loaded layer's tensors are written byte for byte.
+- SVDQuant W4A4 (`quant.layouts.svdquant.SVDQuantW4A4`): the spec's tile-packed form: `.weight`, `.weight_scale`,
+  `.smooth_factor`, `.proj_down`, `.proj_up` as they were read, `.comfy_quant` as the file gave it; an
+  `act_unsigned` layer is refused (its bias holds the constant the loader folded in).
 Other tensors are written as they are. Writes stream tensor by tensor into a temporary file in the
 target folder, then move into place; an existing file is never replaced unless `overwrite=True`.
 """
@@ -38,7 +44,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .layouts import is_layout, mxfp8, nvfp4
+from .layouts import awq, is_layout, mxfp8, nvfp4, svdquant
 from .layouts import comfy_int8
 from .safetensors_file import ST_NAMES
 
@@ -389,6 +395,10 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
     elif "int8" in grans:
         notes.append("int8 layers: written in ComfyUI 0.33's int8_tensorwise form, which 0.33 and newer load; "
                      "older ComfyUI cannot, and this pack's loaders read them everywhere")
+    elif svdquant.FORMAT in grans or awq.FORMAT in grans:
+        notes.append("int4 layers (comfy-kitchen 0.2.40's " + " and ".join(f for f in (awq.FORMAT, svdquant.FORMAT)
+                                                                     if f in grans) + " forms), bytes as loaded; "
+                     "ComfyUI 0.33 and older cannot read them, this pack's loaders can")
     elif quantized and not stock and not has_nv:
         notes.append("stock ComfyUI cannot apply row-wise or block-wise scales (or mixed e4m3fn/e5m2 layers): "
                      "load this file with this pack's loaders")
@@ -457,8 +467,42 @@ def _add_nvfp4(add, layer: str, key: str, qt_of, shape, layout, has_in: bool) ->
     add(layer + ".comfy_quant", (lambda b=blob: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(blob),))
 
 
+def _add_awq(add, layer: str, key: str, qt_of, shape, layout, has_in: bool) -> None:
+    """The entries of one AWQ W4A16 layer in comfy-kitchen's form (layouts/awq.py): the stored bytes, scales
+    and zero points as they are (a loaded layer is written back bit for bit)."""
+    def part(name, k=key):
+        return awq.file_tensors(qt_of(k))[name]
+
+    conf = json.dumps(awq.comfy_quant_conf(layout)).encode("utf-8")
+    add(key, (lambda: part("weight")), torch.int8, (layout.rows, layout.cols // 2))
+    add(layer + ".weight_scale", (lambda: part("weight_scale")), layout.scale_dtype, (layout.groups, layout.rows))
+    add(layer + ".weight_zeros", (lambda: part("weight_zeros")), layout.scale_dtype, (layout.groups, layout.rows))
+    add(layer + ".comfy_quant", (lambda b=conf: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(conf),))
+
+
+def _add_svdquant(add, layer: str, key: str, qt_of, shape, layout, has_in: bool) -> None:
+    """The entries of one SVDQuant W4A4 layer in the spec's form (layouts/svdquant.py), bytes as they were read.
+    An act_unsigned layer is refused: its loaded bias holds the constant of its activation shift (the loader
+    folds it in for the weight-only product), which the file's bias must not."""
+    if layout.act_unsigned:
+        raise ValueError(f"SVDQuant layer '{layer}' is act_unsigned: its bias was changed at load (the constant of "
+                         "its activation shift, folded in for the weight-only product), so it cannot be written back "
+                         "in its own form; save the model from its original file, or quantize it to another format")
+
+    def part(name, k=key):
+        return svdquant.file_tensors(qt_of(k))[name]
+
+    add(key, (lambda: part("weight")), torch.int8,
+        layout.storage_shape if layout.tiled else (layout.rows, layout.cols // 2))
+    for name, dtype, pshape in layout.parts:
+        add(f"{layer}.{name}", (lambda n=name: part(n)), dtype, pshape)
+    conf = layout.conf.encode("utf-8")
+    add(layer + ".comfy_quant", (lambda b=conf: torch.tensor(list(b), dtype=torch.uint8)), torch.uint8, (len(conf),))
+
+
 # kinds written in a per-layer form of their own (the others: data, `.weight_scale`, `.input_scale`)
-_OWN_FORMS = {"mxfp8": _add_mxfp8, "int8": _add_int8, "nvfp4": _add_nvfp4}
+_OWN_FORMS = {"mxfp8": _add_mxfp8, "int8": _add_int8, "nvfp4": _add_nvfp4, awq.FORMAT: _add_awq,
+              svdquant.FORMAT: _add_svdquant}
 
 _SOURCE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 _FLOAT_WRITE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

@@ -147,10 +147,14 @@ def test_nvfp4_tensor_scale_that_overflows_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def test_stray_nvfp4_scale_says_what_the_pack_reads(tmp_path):
+    # an unmarked layer in ComfyUI's form loads by its tensors (test_unmarked_nvfp4_mxfp8.py); one whose block
+    # scales are not e4m3 is not that form, and is refused saying so
     tensors = _nvfp4_tensors()
     del tensors["l.comfy_quant"]
+    tensors["l.weight_scale"] = tensors["l.weight_scale"].float()
     path = _save(tmp_path, "unmarked", tensors)
-    msg = _raises_named(path, "'l.weight_scale_2'", "'l.comfy_quant'", '{"format": "nvfp4"}', "ComfyUI's form")
+    msg = _raises_named(path, "'l.weight_scale_2'", "'l.comfy_quant'", '{"format": "nvfp4"}', "ComfyUI's form",
+                        "not 2-D float8_e4m3fn")
     assert "int4/nvfp4" not in msg  # the old text said the pack does not read NVFP4, which it does
     gptq = _save(tmp_path, "gptq", {"l.qweight": torch.zeros(4, 4, dtype=torch.int32), "l.weight": torch.zeros(4, 4)})
     _raises_named(gptq, "'l.qweight'", "GPTQ")
