@@ -9,15 +9,16 @@ import torch
 
 from .config import ComputeConfig
 from .errors import QuantizationError
-from .layouts import FP8_DTYPES, MXFP8, NVFP4, Block, Int8, PerRow, PerTensor
+from .layouts import FP8_DTYPES, LAYOUTS, MXFP8, NVFP4, Block, Int8, PerRow, PerTensor
 from .numerics import fp8_max
 from .tensor import QuantizedTensor, _rebuild_quantized_tensor
 from . import dispatch as _dispatch  # noqa: F401  (fills the op tables)
-from .compute import fp8_supported, linear
+from .compute import default_book, fp8_supported, linear
 
-# torch.load(weights_only=True) may rebuild these
+# torch.load(weights_only=True) may rebuild these: every registered layout, and a config's verdict book, which
+# comes back as this process's in-memory book (a file never names the path of a book it would write to)
 torch.serialization.add_safe_globals(
-    [QuantizedTensor, _rebuild_quantized_tensor, PerTensor, PerRow, Block, MXFP8, NVFP4, Int8, ComputeConfig]
+    [QuantizedTensor, _rebuild_quantized_tensor, *LAYOUTS, ComputeConfig, default_book]
 )
 
 __all__ = [

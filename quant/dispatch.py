@@ -161,7 +161,8 @@ def _empty_like(func, args, kwargs):
 
 
 def _transpose(qt):
-    if qt.qdata.dim() != 2:
+    """The transposed view of a 2-D weight (by its logical shape: packed data, as AWQ's, may have another rank)."""
+    if len(qt.matrix_shape) != 2:
         return None
     return qt._replace(transposed=not qt.transposed)
 

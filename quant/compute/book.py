@@ -291,9 +291,10 @@ class Book:
     def __repr__(self) -> str:
         return f"Book({str(self.path) if self.path else 'in memory'!r})"
 
-    # a config carrying a book may be pickled or copied with its model: the same process's book comes back
+    # a config carrying a book may be pickled or copied with its model: a copy shares the book; a pickle comes
+    # back with the unpickling process's in-memory book (a file must never name where a book would write)
     def __reduce__(self):
-        return (_book_for, (None if self.path is None else str(self.path),))
+        return (default_book, ())
 
     def __deepcopy__(self, memo):
         return self

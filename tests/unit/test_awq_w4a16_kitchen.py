@@ -203,10 +203,8 @@ def test_awq_rtn_quantizer_sqnr():
     assert sqnr(w2, q.dequantize(torch.float32)) >= 19.5
 
 
-@pytest.mark.xfail(reason="dispatch._transpose decides by qdata's rank, not the weight's: for a layout whose data "
-                          "is not 2-D (AWQ, SVDQuant) aten.t returns None instead of a transposed view; the fix is "
-                          "in the tensor floor (dispatch.py), outside this layout", strict=True)
 def test_transposing_an_awq_weight_gives_its_transpose():
+    """aten.t decides by the weight's logical rank, not its data's (AWQ's data is 3-D)."""
     w = QuantizedTensor.from_float(torch.randn(16, 128), AWQW4A16.for_shape((16, 128)))
     t = w.t()
     assert isinstance(t, torch.Tensor) and torch.equal(t.dequantize(torch.float32), w.dequantize(torch.float32).t())
