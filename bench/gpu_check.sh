@@ -32,7 +32,7 @@ set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$ROOT/gpu-check-out}"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-TESTS_K="${GPU_CHECK_TESTS_K:-cuda or fp8_path or fast_path or tensor_ops or buffer or group or numerics}"
+TESTS_K="${GPU_CHECK_TESTS_K:-cuda or fp8_path or fast_path or proof_holes or first_use or tensor_ops or buffer or group or numerics}"
 WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.whl}"
 BUDGET="${GPU_CHECK_BUDGET_S:-470}"
 COMFY_TREE="${COMFYUI_PATH:-$ROOT/.host/comfyui}"
