@@ -69,9 +69,11 @@ def test_int8_load_converts_every_fp8_layer_and_reports_its_sqnr(comfy_modules, 
     assert all(is_int8(dm.get_submodule(n).weight) for n in snap)
     assert len(ops.int8_layers) == 24 and min(db for _, db in ops.int8_layers) > 30.0
     for name, db in ops.int8_layers:
-        # the report is the truth: the weight against the FP8 file's values
+        # the report is the truth: the weight against the FP8 file's values, on every row up to 256 rows and on
+        # 256 rows spread over a larger layer (within 0.5 dB of the whole layer's figure)
         got = sqnr(fp8[f"{name}.weight"], snap[name][4])
-        assert abs(got - db) < 0.05, (name, got, db)
+        sampled = fp8[f"{name}.weight"].shape[0] > 256
+        assert abs(got - db) < (0.5 if sampled else 0.05), (name, got, db)
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["replace", "inplace"])
