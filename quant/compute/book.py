@@ -302,9 +302,7 @@ class Book:
     # -- reading -------------------------------------------------------------------------------
 
     def _registered(self) -> dict:
-        from .paths import REGISTRY
-
-        return REGISTRY
+        return REGISTERED  # the paths registry fills it when it is imported (it imports this module)
 
     def _read_file(self) -> dict:
         """The file's document, validated at the top level; {} when there is none or it cannot be read."""
@@ -557,6 +555,8 @@ def describe(v: Verdict) -> str:
     return "; ".join([f"{v.chosen}: {v.why}{figures}"] + refused)
 
 
+# name -> path of the registry (compute/paths/__init__.py fills it at import: the paths module imports this one)
+REGISTERED: dict = {}
 _books: dict = {}
 _books_lock = threading.Lock()
 

@@ -15,6 +15,7 @@ and its tests. Verdicts naming a path that is not registered are dropped when th
 
 from __future__ import annotations
 
+from .. import book as _book
 from .base import Path
 from .fp8 import FP8
 from .fused import FUSED_NVFP4, FUSED_WEIGHT_ONLY
@@ -29,3 +30,4 @@ __all__ = ["Path", "PATHS", "REGISTRY", "WEIGHT_ONLY", "FP8", "INT8", "KITCHEN_I
 PATHS = (FP8, INT8, KITCHEN_INT8, FUSED_WEIGHT_ONLY, FUSED_NVFP4, WEIGHT_ONLY)
 REGISTRY = {p.name: p for p in PATHS}
 assert len(REGISTRY) == len(PATHS) and PATHS[-1].plain
+_book.REGISTERED.update(REGISTRY)  # what the verdict book accepts from its file
