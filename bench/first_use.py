@@ -8,9 +8,10 @@ run in a fresh process of its own:
   second   the cache the first run wrote: nothing is proven again
 Per run: the sampling wall time (KSampler's call), the first step (to the end of the first model call),
 the median later step, and what the choice itself reports: verdicts measured in this process and their
-summed cost (proof + timing), verdicts read from the cache. "proving_vs_run" is the measured cost over
-the second run's sampling time: what proving adds to a 20-step run; the second run's measured cost
-must be 0.
+summed cost (proof + timing), verdicts read from the cache, the calls checked at a new shape and their
+time, and the time of int8 conversions at first use (both are paid again by every process: a shape's check
+and a conversion are not kept in the file). "proving_vs_run" is the measured cost over the second run's
+sampling time: what proving adds to a 20-step run; the second run's measured cost must be 0.
 
 Models (random weights, made here with bench/e2e.py's makers):
   sd3    the tiny SD3 MMDiT the demo workflow uses (scripts/tiny_models.py's shape), 32x32 latent pixels
@@ -77,6 +78,8 @@ def child(args) -> dict:
             "later_step_s": round(statistics.median(later), 4) if later else None,
             "measured": len(measured), "by_rule": len(ruled), "from_cache": len(verdicts) - len(measured) - len(ruled),
             "proving_s": round(sum(v.cost_s for v in measured), 4),
+            "checked_shapes": book.checks[0], "checking_s": round(book.checks[1], 4),
+            "converting_s": (book.conversions(c.device) or {}).get("seconds", 0.0),
             "chosen": book.summary_lines(c.device),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
@@ -130,7 +133,8 @@ def main() -> None:
             for name, r in runs.items():
                 print(f"{model:5s} {name:6s} sample {r['sample_s']:8.2f} s  first step {r['first_step_s']:7.3f} s  "
                       f"later step {r['later_step_s']} s  proved {r['measured']} ({r['proving_s']:.3f} s)  "
-                      f"from cache {r['from_cache']}  too small to prove {r['by_rule']}")
+                      f"from cache {r['from_cache']}  too small to prove {r['by_rule']}  shapes checked "
+                      f"{r['checked_shapes']} ({r['checking_s']:.3f} s)  int8 conversions {r['converting_s']:.3f} s")
             print(f"{model:5s} proving adds {100 * row['proving_vs_run']:.2f} % to a {args.steps}-step run; "
                   f"first/second sampling time {row['first_vs_second_sample']}; the second run proved {row['second_proves']}")
             for line in first["chosen"]:

@@ -286,6 +286,7 @@ class Book:
         self._dirty: set = set()  # (stack id, Key) written in this process since the last write
         self._forgotten: set = set()  # stack ids to drop from the file at the next write
         self._conversions: dict = {}  # stack id -> [layers, parameters, seconds, [sampled SQNR dB]]
+        self.checks = [0, 0.0]  # calls checked at a new shape (prove.check_call) in this process, and their seconds
         self.generation = 0
 
     def __repr__(self) -> str:
@@ -462,6 +463,7 @@ class Book:
             self._dirty.clear()
             self._forgotten.clear()
             self._conversions.clear()
+            self.checks = [0, 0.0]
             self.generation += 1
 
     def _write(self, sid, facts) -> None:

@@ -173,6 +173,15 @@ def decide(book: Book, device, key: Key, operands: dict, bias, cdt, cfg, x_dtype
 def check_call(book: Book, device, key: Key, path, x2d, wop, bias, cdt, cfg, out) -> bool:
     """Check ``out``, ``path``'s output for this call, at the call's own shape (see the module docstring).
     True: right, and the shape is remembered; False: the path is refused for ``key`` on record."""
+    started = time.perf_counter()
+    try:
+        return _check_call(book, device, key, path, x2d, wop, bias, cdt, cfg, out)
+    finally:
+        book.checks[0] += 1
+        book.checks[1] += time.perf_counter() - started
+
+
+def _check_call(book: Book, device, key: Key, path, x2d, wop, bias, cdt, cfg, out) -> bool:
     m, k = x2d.shape
     n = out.shape[-1]
     sample = proof.Sample(m, n, x2d.device, seed=m)
