@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .allocators import PAGE_SIZE, ShardAllocator, ShardMemory, ShardSharingError, all_gather_int64, barrier, collective_device, default_allocator
-from .store import check_buffer_indices, check_buffer_storages
+from .rows import check_buffer_indices, check_buffer_storages
 
 logger = logging.getLogger(__name__)
 

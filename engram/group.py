@@ -46,11 +46,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..common.proc import kib_fields, process_state
+from ..common.sizes import size_text
 from . import ue8m0
+from .errors import EngramWorkerError
 from .allocators import ShardSharingError, SharedMemoryFullError, check_shm_room
 from .buffer import LocalEngramBuffer
-from .sysinfo import gib_text, kib_fields
-from .store import check_fetch_indices, check_layer, check_rows, check_table_geometry, check_values, decode_checked, encode_rows, last_occurrence
+from .rows import check_fetch_indices, check_layer, check_rows, check_table_geometry, check_values, decode_checked, encode_rows, last_occurrence
 from .worker import gloo_group
 
 logger = logging.getLogger(__name__)
@@ -58,21 +60,6 @@ logger = logging.getLogger(__name__)
 _WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 _POLL_S = 0.05
 _SHUTDOWN_WAIT_S = 5.0
-
-
-class EngramWorkerError(RuntimeError):
-    """A worker process of an EngramGroup died, failed to start, or failed a command.
-
-    The message names the rank (and `rank` holds it) whenever one rank is to blame. `state` says what
-    became of the worker: "died" (it ended; `exitcode` holds how), "stopped" (it is frozen: SIGSTOP or a
-    debugger), "unresponsive" (it runs but did not answer in time) or None (a command failed).
-    """
-
-    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None, state: str | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.exitcode = exitcode
-        self.state = state if state is not None else ("died" if exitcode is not None else None)
 
 
 class NotEnoughMemoryError(MemoryError):
@@ -113,15 +100,6 @@ def _launch(fn):
 
 _STOPPED_STATES = ("T", "t")  # /proc/<pid>/stat: stopped by a signal, stopped by a tracer
 _STOPPED_GRACE_S = 2.0  # a worker stopped this long while it is waited for is reported as frozen
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of process `pid` in /proc (R, S, D, T, t, Z, ...); None when it is gone or unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
 
 
 # ----- the worker template (CPU workers are forked from it) -----
@@ -323,7 +301,7 @@ def _meminfo() -> dict[str, int] | None:
     return kib_fields("/proc/meminfo")
 
 
-_gib = gib_text
+_gib = size_text
 
 
 def cpu_group_cost(num_ranks: int, table_bytes: int, template_up: bool | None = None) -> int:

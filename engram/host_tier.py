@@ -48,7 +48,7 @@ import torch
 from . import ue8m0
 from .allocators import reserve_segment
 from .table_file import TableFileError
-from .store import (
+from .rows import (
     check_buffer_indices,
     check_buffer_storages,
     check_fetch_indices,

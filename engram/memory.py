@@ -31,11 +31,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ..common.proc import process_state
 from .compress import CURRENT_RULE, LEGACY_RULE, RULES, CompressedVocab, compressed_vocab
 from .fit import FitResult, LayerExample, closed_form_write, fit, mean_squared_error
 from .hashing import HashConfig, NgramHasher
+from .errors import EngramWorkerError
 from .inject import combine, inject
-from .store import RowStore
+from .rows import RowStore
 from .streams import StreamLayout, StreamTokens, place_tokens, total_rows
 
 logger = logging.getLogger(__name__)
@@ -633,14 +635,9 @@ def _prefetch_pool() -> ThreadPoolExecutor:
 
 def _pid_gone(pid: int) -> bool:
     """True when process `pid` has ended (a zombie counts as ended; nothing is reaped here)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # state is the field after the parenthesized command name
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        pass
+    state = process_state(pid)
+    if state is not None:
+        return state in ("Z", "X")
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -665,6 +662,4 @@ def store_health(store: Any) -> None:
         pids = pids()
     for rank, pid in enumerate(pids or (), start=1):
         if _pid_gone(int(pid)):
-            from .group import EngramWorkerError
-
             raise EngramWorkerError(f"engram worker rank {rank} (pid {pid}) is gone", rank)
