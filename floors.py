@@ -39,16 +39,16 @@ ENGRAM_FLOORS = (
      "the table file: validated, mapped reading and atomic writing"),
     ("stores", ("store", "cuda_ipc", "allocators", "gather_triton", "buffer", "worker", "group", "host_tier"),
      "the row stores: one process, LocalEngramBuffer and its shard memory, the worker group, the host tier"),
-    ("memory", ("memory", "__init__"),
-     "EngramMemory: hashing, fetch and injection over a row store, its files and health"),
+    ("memory", ("memory", "placement", "__init__"),
+     "EngramMemory: hashing, fetch and injection over a row store, its files and health; where a memory lives and why"),
 )
 
 # nodes/, lowest floor first
 NODES_FLOORS = (
     ("extension", ("__init__",),
      "the extension that lists the nodes, the category and node id prefix"),
-    ("adapters", ("ops", "engram_live"),
-     "ComfyUI adapters below the nodes: FP8 operations, the live memories"),
+    ("adapters", ("ops", "engram_live", "engram_clip"),
+     "ComfyUI adapters below the nodes: FP8 operations, the live memories, CLIP families and tokenizers"),
     ("nodes", ("basic", "fp8", "engram"),
      "node classes: schema, execute, UI text"),
 )

@@ -471,6 +471,8 @@ class EngramGroup:
         self.rows_per_layer = [r * num_ranks for r in self.rows_per_rank]
         self.num_sf_packs = ue8m0.num_sf_packs(hidden) if table_dtype == torch.float8_e4m3fn else 0
         self.timeout = float(timeout)
+        # where the rows live and why (a placement.Placement), set by placement.make_store; None when made directly
+        self.placement = None
         if device == "cpu":
             check_cpu_memory(num_ranks, self.table_bytes(self.rows_per_layer, hidden, table_dtype))
             if num_ranks > 1:  # the shards are /dev/shm files: refused before any worker starts when it has no room

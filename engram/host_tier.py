@@ -497,10 +497,10 @@ class HostEngramBuffer:
 class HostRowStore:
     """A memory's tables on the host tier (a `RowStore`; see the module docstring)."""
 
-    placement = "host"
-
     def __init__(self, table: HostTable) -> None:
         self._table = table
+        # where the rows live and why (a placement.Placement), set by placement.make_store; None when made directly
+        self.placement = None
         self.rows_per_layer = list(table.rows_per_layer)
         self.num_layers = table.num_layers
         self.hidden = table.hidden

@@ -314,7 +314,8 @@ class EngramMemory:
         # (tables loaded from a file), then `clear` zeroes everything. See TableState.
         self.state = TableState()
         self.name = "engram memory"
-        self.source: str | None = None
+        self.source: str | None = None  # the table file the tables were loaded from
+        self.saved_to: str | None = None  # the table file `save` last wrote
         if vocabs:
             for key, vocab in vocabs.items():
                 self._accept_vocab(key, vocab)
@@ -597,6 +598,7 @@ class EngramMemory:
             raise EngramMemoryError(f"{type(self.store).__name__} cannot save table files")
         with self._lock:
             saver(path, hashing=hashing, streams=streams)
+            self.saved_to = path
 
     @property
     def closed_reason(self) -> str | None:

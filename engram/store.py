@@ -54,6 +54,8 @@ class LocalRowStore:
             _, zero_sf = ue8m0.quantize_rows(torch.zeros((1, hidden)))
             self.scales = [zero_sf.to(self.device).expand(n, -1).contiguous() for n in self.rows_per_layer]
         self.source: str | None = None  # the table file last loaded (named when its rows are not finite)
+        # where the rows live and why (a placement.Placement), set by placement.make_store; None when made directly
+        self.placement = None
         self._closed = False
 
     def __repr__(self) -> str:

@@ -21,16 +21,14 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
-from ..engram.allocators import ShardSharingError
-from ..engram.cuda_ipc import CudaIpcError
-from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES, EngramWorkerError
-from ..engram.host_tier import PLACEMENTS, HostRowStore, choose_placement, table_bytes
+from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES
+from ..engram.host_tier import PLACEMENTS, HostRowStore
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
-from ..engram.store import LocalRowStore
-from ..engram.streams import family_layout
+from ..engram.placement import make_store, placement_text, resolve_tier
 from ..engram.table_file import TableFileError, TableFileWriteError  # noqa: F401 - loaded here so that plain_error_names() renames its errors
 from . import CATEGORY, NODE_ID_PREFIX
-from .engram_live import SAVE_ADVICE, _adopt, _by_settings, _current_node_id, _live_memory, _problem, _replace_live, _serving
+from .engram_clip import bind, clip_layout, clip_tokenizers, encode, tokenize
+from .engram_live import LIVE, SAVE_ADVICE, current_node_id, problem, serving
 
 logger = logging.getLogger(__name__)
 
@@ -72,191 +70,11 @@ MEMORY_TOOLTIP = "An engram memory (from New Engram Memory or Load Engram Memory
 STRENGTH_RANGE = (-10.0, 10.0)
 LEARNING_RATE_RANGE = (1e-5, 10.0)
 
-# ----- CLIP adaptation (the only place that knows ComfyUI's tokenizer objects) -----
-
-_TOKENIZER_ATTRS = {"l": "clip_l", "g": "clip_g", "t5xxl": "t5xxl"}
-_FAMILY_BY_KEYS = {
-    frozenset({"l"}): "sd1",
-    frozenset({"l", "g"}): "sdxl",
-    frozenset({"l", "g", "t5xxl"}): "sd3",
-    frozenset({"l", "t5xxl"}): "flux",
-}
-
-
-def _clip_tokenizers(clip) -> dict:
-    """token key -> the transformers tokenizer inside ComfyUI's SDTokenizer."""
-    out = {}
-    for key, attr in _TOKENIZER_ATTRS.items():
-        sd_tokenizer = getattr(clip.tokenizer, attr, None)
-        inner = getattr(sd_tokenizer, "tokenizer", None)
-        if inner is not None:
-            out[key] = inner
-    return out
-
-
-def _clip_layout(clip):
-    keys = frozenset(clip.tokenize("a").keys())
-    family = _FAMILY_BY_KEYS.get(keys)
-    if family is None:
-        raise EngramMemoryError(
-            f"this CLIP's tokenizers {sorted(keys)} are not an SD1, SDXL, SD3 or Flux text encoder; engram memory supports those"
-        )
-    model = clip.cond_stage_model
-    names = family_layout(family).names
-    present = [n for n in names if getattr(model, n, None) is not None]
-    if not present:
-        raise EngramMemoryError(f"this {family} CLIP has none of the text encoders {names} loaded")
-    widths = {}
-    for name in present:
-        try:
-            widths[name] = int(getattr(model, name).transformer.get_input_embeddings().weight.shape[1])
-        except Exception:  # unknown encoder internals: keep ComfyUI's standard width
-            pass
-    return family_layout(family, encoders=present, widths=widths)
-
-
-def _tokenize(clip, text: str) -> dict:
-    return clip.tokenize(text, return_word_ids=True)
-
-
-def _strip_word_ids(tokens: dict) -> dict:
-    return {k: [[tuple(item[:2]) for item in chunk] for chunk in v] for k, v in tokens.items()}
-
-
-def _encode(clip, tokens: dict) -> list:
-    return clip.encode_from_tokens_scheduled(_strip_word_ids(tokens))
-
-
-def _check_clip_type(memory: EngramMemory, clip) -> None:
-    """Refuse a CLIP of another type than the memory's (its tokenizers may be the same, e.g. CLIP-L in
-    SD1 and SD3, yet its conditioning is laid out otherwise), or one without an encoder the memory needs."""
-    layout = _clip_layout(clip)
-    want = memory.config.layout
-    if layout.family != want.family:
-        raise EngramMemoryError(f"this memory was made for {want.family.upper()} text encoders, but the CLIP given is "
-                                f"{layout.family.upper()}; use the CLIP the memory was made with (or a memory made for this one)")
-    have = {s.name: s.width for s in layout.streams}
-    missing = [s.name for s in want.streams if s.name not in have]
-    if missing:
-        raise EngramMemoryError(f"this memory needs the text encoder(s) {missing}, which this {layout.family.upper()} CLIP has not loaded")
-    wrong = [f"{s.name} ({have[s.name]} wide, the memory's is {s.width})" for s in want.streams if have[s.name] != s.width]
-    if wrong:
-        raise EngramMemoryError(f"this CLIP's encoders differ from the memory's: {', '.join(wrong)}")
-
-
-def _bind(memory: EngramMemory, clip) -> None:
-    _check_clip_type(memory, clip)
-    memory.bind_tokenizers(_clip_tokenizers(clip))
-    # For nodes given no CLIP (Engram Apply): the last CLIP this memory was used with in this session.
-    memory.host_clip = clip
-    memory.host_clip_tokenize = lambda text: _tokenize(clip, text)
-
-
-def cuda_rank_devices(gpu_ranks: int, device_count: int) -> list[int]:
-    """The GPU of every CUDA rank: `gpu_ranks` = 0 gives one rank per GPU; N > 0 gives N ranks spread
-    round-robin over the GPUs (rank r on GPU r % device_count, as EngramGroup places them), so several
-    ranks may share one GPU."""
-    if device_count < 1:
-        raise ValueError("no CUDA GPU to place engram ranks on")
-    if isinstance(gpu_ranks, bool) or not isinstance(gpu_ranks, int) or gpu_ranks < 0:
-        raise ValueError(f"gpu_ranks must be 0 (one rank per GPU) or a positive number of ranks, got {gpu_ranks!r}")
-    count = gpu_ranks if gpu_ranks > 0 else device_count
-    return [r % device_count for r in range(count)]
-
-
 def _device_free_bytes(devices: str) -> int:
     """Free memory where `device` placement would put the tables: every GPU's, or the machine's RAM."""
     if devices == "auto" and torch.cuda.is_available():
         return sum(int(comfy.model_management.get_free_memory(torch.device("cuda", i))) for i in range(torch.cuda.device_count()))
     return int(comfy.model_management.get_free_memory(torch.device("cpu")))
-
-
-def _resolve_placement(placement: str, rows_per_layer: list[int], hidden: int, dtype: torch.dtype, devices: str) -> str:
-    """"device" or "host" (auto: the device when the tables take at most half of its free memory)."""
-    if placement != "auto":
-        return choose_placement(placement, 0, None)
-    return choose_placement("auto", table_bytes(rows_per_layer, hidden, dtype), _device_free_bytes(devices))
-
-
-def _placement_text(memory: EngramMemory) -> str:
-    """One line for a node's summary: where the memory's rows live."""
-    store = memory.store
-    size = table_bytes(store.rows_per_layer, store.hidden, store.table_dtype) / 2**30
-    if isinstance(store, HostRowStore):
-        where = (f"the table file mapped read-only ({os.path.basename(store.source)}), shared by every process that loads it"
-                 if store.source else "a shared-memory segment")
-        text = f"placement: host ({size:.2f} GiB in {where}; fetched rows are paged in)"
-        fell_back = getattr(store, "fell_back_from", None)
-        return f"{text}\n  instead of {fell_back}" if fell_back else text
-    ranks = getattr(store, "num_ranks", 1)
-    device = getattr(store, "device", "cpu")
-    return f"placement: device ({size:.2f} GiB over {ranks} {str(device).split(':')[0].upper()} rank(s))"
-
-
-def _new_host_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype) -> HostRowStore:
-    from ..engram.group import check_cpu_memory
-
-    # a new host-tier memory is a shared-memory segment: RAM, refused like CPU ranks when it cannot fit
-    # (its pages would be allocated by the first writes, and a full segment kills the process)
-    check_cpu_memory(1, table_bytes(rows_per_layer_fn(1), hidden, dtype), subject="a host-memory table (shared-memory segment)")
-    return HostRowStore.new(rows_per_layer_fn(1), hidden, dtype)
-
-
-def sharing_failed(error: BaseException, cuda: bool) -> bool:
-    """Whether a device group failed to start because its ranks could not share their shards: a failed
-    start check or IPC exchange (ShardSharingError) anywhere in the error's chain (a worker whose shard
-    could not be shared reports it as one, see engram/worker.py); for CUDA ranks also a failed driver call
-    for the shard memory (CudaIpcError). A worker that crashed, froze, timed out or failed otherwise is
-    no sharing failure, on CUDA as on the CPU: its error stands."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, ShardSharingError) or (cuda and isinstance(error, CudaIpcError)):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _group_or_host(start, ranks: int, kind: str, host, name: str | None = None):
-    """`start()`'s device group; when its ranks could not share their shards, the host tier (`host()`)
-    instead, marked with why (the summary says it), so the prompt goes on. A worker that failed
-    otherwise fails the node with an EngramWorkerError naming the memory (`name`) and the rank."""
-    try:
-        return start()
-    except Exception as e:
-        if not sharing_failed(e, kind == "CUDA"):
-            if isinstance(e, EngramWorkerError) and name is not None:
-                raise EngramWorkerError(f"{name} could not start its {ranks} {kind} rank(s): {e}", e.rank, e.exitcode, e.state) from e
-            raise
-        reason = f"{ranks} {kind} rank(s): {e}"
-        logger.warning("engram: the memory could not be sharded over %s; it is on the host tier instead", reason)
-        store = host()
-        store.fell_back_from = reason
-        return store
-
-
-def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int, gpu_ranks: int = 0,
-                placement: str = "device", host=None, name: str | None = None):
-    """The memory's RowStore. `host`: what serves it when a group's ranks cannot share their shards (a
-    new shared-memory segment by default; Load passes the table file mapped). `name`: the memory, as
-    errors name it."""
-    host = host or (lambda: _new_host_store(rows_per_layer_fn, hidden, dtype))
-    if placement == "host":
-        return _new_host_store(rows_per_layer_fn, hidden, dtype)
-    if devices == "auto" and torch.cuda.is_available():
-        from ..engram.group import EngramGroup
-
-        ranks = len(cuda_rank_devices(gpu_ranks, torch.cuda.device_count()))
-        return _group_or_host(lambda: EngramGroup(rows_per_layer_fn(ranks), hidden, dtype, num_ranks=ranks, device="cuda"),
-                              ranks, "CUDA", host, name)
-    from ..engram.group import EngramGroup, check_cpu_memory
-
-    # Refused, with the figures, before anything is allocated or started (EngramGroup checks too).
-    check_cpu_memory(cpu_ranks, EngramGroup.table_bytes(rows_per_layer_fn(cpu_ranks), hidden, dtype))
-    if cpu_ranks == 1:
-        return LocalRowStore(rows_per_layer_fn(1), hidden, dtype)
-    return _group_or_host(lambda: EngramGroup(rows_per_layer_fn(cpu_ranks), hidden, dtype, num_ranks=cpu_ranks, device="cpu"),
-                          cpu_ranks, "CPU", host, name)
 
 
 _GPU_RANKS_TOOLTIP = ("CUDA processes holding the shards when devices = auto finds a GPU. 0: one per GPU. N: N processes "
@@ -320,12 +138,12 @@ class NewEngramMemory(io.ComfyNode):
         # be served from ComfyUI's cache either: run again to build a new one.
         gpu_ranks = gpu_ranks or 0  # absent (a graph saved before the input existed) is the default
         settings = _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks, placement or "auto")
-        memory = _by_settings.get((_current_node_id(), settings))
+        memory = LIVE.made_with(current_node_id(), settings)
         if memory is None:
             return "clean"
-        if _problem(memory) is not None:
+        if problem(memory) is not None:
             return f"rebuild {memory.uid}"
-        if memory.version != getattr(memory, "clean_version", memory.version):
+        if LIVE.written_since_made(memory):
             return f"written {memory.uid} {memory.version}"
         return "clean"
 
@@ -334,10 +152,11 @@ class NewEngramMemory(io.ComfyNode):
         node_id = cls.hidden.unique_id
         gpu_ranks = gpu_ranks or 0
         requested = placement or "auto"
-        layout = _clip_layout(clip)
-        tokenizers = _clip_tokenizers(clip)
+        layout = clip_layout(clip)
+        tokenizers = clip_tokenizers(clip)
         config, vocabs = make_config(layout, tokenizers, max_order=max_order, heads=heads, rows_per_head=rows_per_head, seed=seed, gate=context_gate)
-        placement = _resolve_placement(requested, config.rows_per_layer(1), config.hidden, _DTYPES[dtype], devices)
+        placement, why = resolve_tier(requested, config.rows_per_layer(1), config.hidden, _DTYPES[dtype],
+                                      lambda: _device_free_bytes(devices))
         key = ("new", config.to_metadata().__repr__(), dtype, devices, cpu_ranks, gpu_ranks, placement)
 
         def wrap(store, state=None):
@@ -345,11 +164,11 @@ class NewEngramMemory(io.ComfyNode):
             if state is not None:  # tables taken back from a parked memory, with what was written into them
                 memory.state = state
             memory.name = f"the memory of New Engram Memory (node {node_id})"
-            return _adopt(memory, node_id, key)
+            return LIVE.adopt(memory, node_id, key)
 
         def make():
-            store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks, placement,
-                                name=f"the memory of New Engram Memory (node {node_id})")
+            store = make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks, placement,
+                               name=f"the memory of New Engram Memory (node {node_id})", reason=why)
             try:
                 # A cancel that arrived while the tables were built: drop them (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
@@ -361,11 +180,11 @@ class NewEngramMemory(io.ComfyNode):
         def reuse(m):
             m.clear()
 
-        memory, lost = _replace_live(node_id, key, make, reuse, wrap)
-        memory.clean_version = memory.version
-        _by_settings[(str(node_id), _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks, requested))] = memory
-        _bind(memory, clip)
-        text = f"{memory!r}\n{_placement_text(memory)}"
+        memory, lost = LIVE.replace(node_id, key, make, reuse, wrap)
+        LIVE.notes(memory).clean_version = memory.version
+        LIVE.remember_settings(node_id, _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks, requested), memory)
+        bind(memory, clip)
+        text = f"{memory!r}\n{placement_text(memory.store)}"
         if lost is not None and lost.startswith("lost"):
             logger.warning("engram: the memory of New Engram Memory (node %s) was %s; made a new empty one", node_id, lost)
             text = (f"The previous memory of this node was {lost}; this is a new empty memory, and what was written "
@@ -414,14 +233,14 @@ class LoadEngramMemory(io.ComfyNode):
         if not path or not os.path.exists(path):
             return float("nan")
         mtime = os.path.getmtime(path)
-        live = _live_memory(_current_node_id())
+        live = LIVE.memory_of(current_node_id())
         settings = (path, mtime, devices, cpu_ranks, gpu_ranks or 0, placement or "auto")
-        memory = live if live is not None and getattr(live, "load_settings", None) == settings else None
+        memory = live if live is not None and LIVE.notes(live).load_settings == settings else None
         if memory is None:
             return mtime
-        if _problem(memory) is not None:
+        if problem(memory) is not None:
             return f"{mtime} rebuild {memory.uid}"
-        if memory.version != getattr(memory, "clean_version", memory.version):
+        if LIVE.written_since_made(memory):
             return f"{mtime} written {memory.uid} {memory.version}"  # reload: the file, not what was written since
         return mtime
 
@@ -435,7 +254,7 @@ class LoadEngramMemory(io.ComfyNode):
         dtype = torch.float8_e4m3fn if geometry.get("dtype") == "float8_e4m3fn" else torch.bfloat16
         needed = config.rows_per_layer(1)  # the rows the hashing addresses (a file may be padded past them)
         rows = [int(n) for n in geometry.get("rows_per_layer") or needed]
-        placement = _resolve_placement(requested, rows, config.hidden, dtype, devices)
+        placement, why = resolve_tier(requested, rows, config.hidden, dtype, lambda: _device_free_bytes(devices))
         mtime = os.path.getmtime(path)
         key = ("load", path, mtime, devices, cpu_ranks, gpu_ranks, placement)
 
@@ -446,15 +265,13 @@ class LoadEngramMemory(io.ComfyNode):
             memory.mark_untracked()
             memory.name = f"the memory {memory_name}"
             memory.source = path
-            memory.load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
-            return _adopt(memory, node_id, key)
+            LIVE.notes(memory).load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
+            return LIVE.adopt(memory, node_id, key)
 
         def make():
-            if placement == "host":  # mapped, not read: the store is ready at once
-                store = HostRowStore.from_table_file(path)
-            else:
-                store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks,
-                                    host=lambda: HostRowStore.from_table_file(path), name=f"the memory {memory_name}")
+            # on the host tier the file is mapped, not read: the store is ready at once
+            store = make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks, placement,
+                               host=lambda: HostRowStore.from_table_file(path), name=f"the memory {memory_name}", reason=why)
             try:
                 # A cancel before or during the load: drop the tables (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
@@ -473,13 +290,13 @@ class LoadEngramMemory(io.ComfyNode):
             memory.version += 1
             comfy.model_management.throw_exception_if_processing_interrupted()
 
-        memory, lost = _replace_live(node_id, key, make, reload, wrap)
-        memory.clean_version = memory.version
-        memory.load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
+        memory, lost = LIVE.replace(node_id, key, make, reload, wrap)
+        LIVE.notes(memory).clean_version = memory.version
+        LIVE.notes(memory).load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
         if clip is not None:
-            with _serving("Load Engram Memory", memory):
-                _bind(memory, clip)
-        text = f"{memory_name}: {memory!r}\n{_placement_text(memory)}"
+            with serving("Load Engram Memory", memory):
+                bind(memory, clip)
+        text = f"{memory_name}: {memory!r}\n{placement_text(memory.store)}"
         if lost is not None and lost.startswith("lost"):
             logger.warning("engram: the memory from %s was %s; rebuilt it from the file", memory_name, lost)
             text = f"Rebuilt from {memory_name}: the previous memory was {lost}.\n{text}"
@@ -521,11 +338,10 @@ class SaveEngramMemory(io.ComfyNode):
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, name)
         try:
-            with _serving("Save Engram Memory", memory):
+            with serving("Save Engram Memory", memory):
                 memory.save(path)
         except TableFileWriteError as exc:  # a read-only folder, a full disk: the input and the file named
             raise TableFileWriteError(exc.errno, f"Save Engram Memory: name {name!r} could not be saved: {exc.strerror}") from exc
-        memory.saved_to = path
         return io.NodeOutput(memory, ui={"text": [f"saved {path} (version {memory.version})"]})
 
 
@@ -533,7 +349,7 @@ def _hit_report(memory: EngramMemory, tokens: dict, clip=None, looked_up: tuple 
     """UI data for the frontend: per stream, every word of the prompt, whether it hit written rows, and
     how strongly (norm of the memory value added to it):
     `engram_hits = [{stream, tokens: [{text, hit, strength, entries_hit, entries, row}]}]`."""
-    decoders = _clip_tokenizers(clip) if clip is not None else {}
+    decoders = clip_tokenizers(clip) if clip is not None else {}
     token_key = {s.name: s.token_key for s in memory.config.layout.streams}
     streams: dict[str, list[dict]] = {}
     for h in memory.hits(tokens, looked_up):
@@ -604,11 +420,11 @@ class EngramTextEncode(io.ComfyNode):
     @classmethod
     def execute(cls, clip, text, memory, strength) -> io.NodeOutput:
         strength = _finite_input("Engram Text Encode", "strength", strength, *STRENGTH_RANGE)
-        with _serving("Engram Text Encode", memory):
-            _bind(memory, clip)
-            tokens = _tokenize(clip, text)
+        with serving("Engram Text Encode", memory):
+            bind(memory, clip)
+            tokens = tokenize(clip, text)
             # The rows each token reads follow from its id alone: look them up while the encoder runs.
-            conditioning, looked_up = memory.lookup_beside(tokens, lambda: _encode(clip, tokens))
+            conditioning, looked_up = memory.lookup_beside(tokens, lambda: encode(clip, tokens))
             out = _apply_to_conditioning(conditioning, memory, tokens, strength, looked_up)
             ui = _hit_report(memory, tokens, clip, looked_up)
         return io.NodeOutput(out, ui=ui)
@@ -635,18 +451,18 @@ class EngramApply(io.ComfyNode):
     @classmethod
     def execute(cls, conditioning, text, memory, strength, clip=None) -> io.NodeOutput:
         strength = _finite_input("Engram Apply", "strength", strength, *STRENGTH_RANGE)
-        with _serving("Engram Apply", memory):
+        with serving("Engram Apply", memory):
             if clip is not None:
-                _bind(memory, clip)
-            tokenize = getattr(memory, "host_clip_tokenize", None)
-            if tokenize is None:
+                bind(memory, clip)
+            host_clip = LIVE.notes(memory).clip
+            if host_clip is None:
                 raise EngramMemoryError("connect the CLIP: this memory has not met its tokenizer yet")
-            tokens = tokenize(text)
+            tokens = tokenize(host_clip, text)
             # The conditioning was encoded upstream (nothing left to hide the lookup behind): look up once,
             # for the injection and the hit report alike.
             looked_up = memory.values(tokens)
             out = _apply_to_conditioning(conditioning, memory, tokens, strength, looked_up)
-            ui = _hit_report(memory, tokens, clip if clip is not None else getattr(memory, "host_clip", None), looked_up)
+            ui = _hit_report(memory, tokens, clip if clip is not None else host_clip, looked_up)
         return io.NodeOutput(out, ui=ui)
 
 
@@ -672,14 +488,14 @@ class EngramMemorize(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, text, target_text, target=None) -> io.NodeOutput:
-        with _serving("Engram Memorize", memory):
-            _bind(memory, clip)
-            tokens = _tokenize(clip, text)
-            base = _finite_conditioning(_encode(clip, tokens)[0][0], "Engram Memorize: the conditioning `clip` makes of input 'text'")
+        with serving("Engram Memorize", memory):
+            bind(memory, clip)
+            tokens = tokenize(clip, text)
+            base = _finite_conditioning(encode(clip, tokens)[0][0], "Engram Memorize: the conditioning `clip` makes of input 'text'")
             if target is not None:
                 target_cond = _finite_conditioning(target[0][0], "Engram Memorize: input 'target' (the target conditioning)")
             elif target_text.strip():
-                target_cond = _finite_conditioning(_encode(clip, _tokenize(clip, target_text))[0][0],
+                target_cond = _finite_conditioning(encode(clip, tokenize(clip, target_text))[0][0],
                                                    "Engram Memorize: the conditioning `clip` makes of input 'target_text'")
             else:
                 raise EngramMemoryError("give a target: connect a target CONDITIONING or write a target_text")
@@ -854,21 +670,21 @@ class EngramTrain(io.ComfyNode):
             pairs = _read_pairs(path, cancel)
         except ValueError as exc:
             raise ValueError(f"Engram Train: {exc}") from exc
-        with _serving("Engram Train", memory):
+        with serving("Engram Train", memory):
             return cls._train(memory, clip, path, pairs, steps, learning_rate, batch_size, seed)
 
     @classmethod
     def _train(cls, memory, clip, path, pairs, steps, learning_rate, batch_size, seed) -> io.NodeOutput:
-        _bind(memory, clip)
+        bind(memory, clip)
         name = os.path.basename(path)
         examples = []
         for item in pairs:
             comfy.model_management.throw_exception_if_processing_interrupted()
             line = f"Engram Train: {name} line {item['line']}"
-            tokens = _tokenize(clip, item["prompt"])
-            base = _finite_conditioning(_encode(clip, tokens)[0][0], f"{line}: the conditioning of \"prompt\"")
+            tokens = tokenize(clip, item["prompt"])
+            base = _finite_conditioning(encode(clip, tokens)[0][0], f"{line}: the conditioning of \"prompt\"")
             if isinstance(item.get("target"), str):
-                target = _finite_conditioning(_encode(clip, _tokenize(clip, item["target"]))[0][0], f"{line}: the conditioning of \"target\"")
+                target = _finite_conditioning(encode(clip, tokenize(clip, item["target"]))[0][0], f"{line}: the conditioning of \"target\"")
             else:
                 where = f"{line}: target_conditioning"
                 cond_path = _inside_input(item["target_conditioning"], where, relative_to=os.path.dirname(path))
@@ -941,12 +757,12 @@ class EngramInspect(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, text) -> io.NodeOutput:
-        with _serving("Engram Inspect", memory):
-            _bind(memory, clip)
-            tokens = _tokenize(clip, text)
+        with serving("Engram Inspect", memory):
+            bind(memory, clip)
+            tokens = tokenize(clip, text)
             hits = memory.hits(tokens)
             ui = _hit_report(memory, tokens, clip)
-        tokenizers = _clip_tokenizers(clip)
+        tokenizers = clip_tokenizers(clip)
         by_stream = {s.name: s.token_key for s in memory.config.layout.streams}
         lines = [f"{memory!r}"]
         for h in hits:
