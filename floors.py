@@ -31,24 +31,27 @@ QUANT_FLOORS = (
 
 # engram/, lowest floor first
 ENGRAM_FLOORS = (
-    ("base", ("errors", "ue8m0", "hashing", "compress", "streams"),
-     "errors that cross floors, the UE8M0 row format, n-gram hashing, tokenizer compression, stream layouts"),
+    ("base", ("errors", "ue8m0", "hashing", "compress", "streams", "pairs"),
+     "errors that cross floors, the UE8M0 row format, n-gram hashing, tokenizer compression, stream layouts, "
+     "training pairs files"),
     ("rows", ("rows", "inject", "fit"),
      "the row-store protocol and the rules every store applies, injection into conditioning, table fitting"),
     ("files", ("table_file",),
      "the table file: validated, mapped reading and atomic writing"),
-    ("stores", ("store", "cuda_ipc", "allocators", "gather_triton", "buffer", "worker", "group", "host_tier"),
-     "the row stores: one process, LocalEngramBuffer and its shard memory, the worker group, the host tier"),
-    ("memory", ("memory", "placement", "__init__"),
-     "EngramMemory: hashing, fetch and injection over a row store, its files and health; where a memory lives and why"),
+    ("stores", ("store", "cuda_ipc", "allocators", "shard_layout", "gather_triton", "buffer", "worker", "processes", "group",
+                "host_tier"),
+     "the row stores: one process, LocalEngramBuffer and its shard memory, the worker group and its processes, the host tier"),
+    ("memory", ("config", "memory", "placement", "__init__"),
+     "a memory's settings and their file metadata, EngramMemory over a row store, where a memory lives and why"),
 )
 
 # nodes/, lowest floor first
 NODES_FLOORS = (
     ("extension", ("__init__",),
      "the extension that lists the nodes, the category and node id prefix"),
-    ("adapters", ("ops", "engram_live", "engram_clip"),
-     "ComfyUI adapters below the nodes: FP8 operations, the live memories, CLIP families and tokenizers"),
+    ("adapters", ("ops", "engram_live", "engram_clip", "engram_inputs", "engram_images"),
+     "ComfyUI adapters below the nodes: FP8 operations, the live memories, CLIP families and tokenizers, "
+     "inputs and folders, images"),
     ("nodes", ("basic", "fp8", "engram"),
      "node classes: schema, execute, UI text"),
 )

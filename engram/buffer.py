@@ -36,16 +36,15 @@ Gather modes (`gather_mode`):
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .allocators import PAGE_SIZE, ShardAllocator, ShardMemory, ShardSharingError, all_gather_int64, barrier, collective_device, default_allocator
-from .rows import check_buffer_indices, check_buffer_storages
+from .allocators import ShardAllocator, ShardMemory, ShardSharingError, all_gather_int64, barrier, collective_device, default_allocator
+from .rows import check_buffer_indices, check_buffer_storages, make_hook, word_dtype
+from .shard_layout import ROW_ALIGNMENT_BYTES, ShardLayout, align  # noqa: F401 - re-exported: the layout the gather kernels read
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,6 @@ logger = logging.getLogger(__name__)
 NUM_ALIGNED_SF_PACKS = 4
 # Limits of DeepEP's EngramBuffer configuration.
 NUM_MAX_LAYERS = 128
-ROW_ALIGNMENT_BYTES = 64
 _WRITE_CHUNK_BYTES = 1 << 30
 # Rows each rank writes into every layer of its shard at start, besides the first, middle and last ones,
 # for the check that every rank reads them back through the gather fetch uses (seeded positions).
@@ -69,72 +67,12 @@ def set_shard_allocator(allocator: ShardAllocator | None) -> None:
     _allocator_override = allocator
 
 
-def align(x: int, alignment: int) -> int:
-    return -(-x // alignment) * alignment
-
-
-def word_dtype(num_bytes: int) -> torch.dtype:
-    """Widest integer type tiling a row, so that gathers move words rather than bytes."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if num_bytes % dtype.itemsize == 0:
-            return dtype
-    return torch.uint8
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Byte layout of one rank's shard buffer (identical on every rank).
-
-    `[table l=0] .. [table l=L-1] [zero row] [scales l=0] .. [scales l=L-1] [zero scale row] [padding]`.
-    Table offsets are multiples of `row_bytes` and scale offsets multiples of `sf_row_bytes`, and the
-    total is a multiple of both and of the page size: with shards mapped back to back, every row of
-    every rank is one row of a single `[rows, row_bytes]` view of the whole range.
-    """
-
-    rows_per_layer: tuple[int, ...]
-    row_bytes: int
-    sf_row_bytes: int
-    table_offsets: tuple[int, ...]
-    zero_row_offset: int
-    sf_offsets: tuple[int, ...]
-    zero_sf_offset: int
-    num_bytes: int
-
-    @staticmethod
-    def build(rows_per_layer: Sequence[int], row_bytes: int, sf_row_bytes: int) -> ShardLayout:
-        offset = 0
-        table_offsets = []
-        for n in rows_per_layer:
-            table_offsets.append(offset)
-            offset += n * row_bytes
-        zero_row_offset = offset
-        offset += row_bytes
-        sf_offsets = []
-        zero_sf_offset = 0
-        if sf_row_bytes:
-            offset = align(offset, math.lcm(sf_row_bytes, ROW_ALIGNMENT_BYTES))
-            for n in rows_per_layer:
-                sf_offsets.append(offset)
-                offset += n * sf_row_bytes
-            zero_sf_offset = offset
-            offset += sf_row_bytes
-        total = align(offset, math.lcm(row_bytes, sf_row_bytes or 1, PAGE_SIZE))
-        return ShardLayout(tuple(rows_per_layer), row_bytes, sf_row_bytes, tuple(table_offsets), zero_row_offset, tuple(sf_offsets), zero_sf_offset, total)
-
-
 def _triton_available() -> bool:
     try:
         from . import gather_triton
     except ImportError:
         return False
     return gather_triton.available()
-
-
-def _make_hook(result: object) -> Callable[[], object]:
-    def hook() -> object:
-        return result
-
-    return hook
 
 
 class LocalEngramBuffer:
@@ -511,7 +449,7 @@ class LocalEngramBuffer:
                     results.append((data[layer], sf_backing.as_strided((num_tokens, sf_width), sf_strides, layer * sf_layer_stride)))
                 else:
                     results.append(data[layer])
-            return [_make_hook(r) for r in results]
+            return [make_hook(r) for r in results]
 
         results: list[object] = []
         for layer in range(num_layers):
@@ -525,7 +463,7 @@ class LocalEngramBuffer:
                 results.append((data[layer], sf))
             else:
                 results.append(data[layer])
-        return [_make_hook(r) for r in results]
+        return [make_hook(r) for r in results]
 
     # ----- gathers: fill out[i] (uint8 [n, row_bytes]) with row ids[i] of the layer, zero if invalid -----
 

@@ -26,3 +26,7 @@ class EngramWorkerError(RuntimeError):
         self.rank = rank
         self.exitcode = exitcode
         self.state = state if state is not None else ("died" if exitcode is not None else None)
+
+
+class EngramMemoryError(ValueError):
+    """A memory used with input it was not built for (another tokenizer, width, or conditioning)."""

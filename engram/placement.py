@@ -22,10 +22,13 @@ from .allocators import ShardSharingError
 from .cuda_ipc import CudaIpcError
 from .errors import EngramWorkerError
 from . import group  # read at call time: tests stand in a group of their own
-from .host_tier import HostRowStore, choose_placement, table_bytes
+from .host_tier import HostRowStore
+from .rows import table_bytes
 from .store import LocalRowStore
 
 logger = logging.getLogger(__name__)
+
+PLACEMENTS = ("device", "host", "auto")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,16 @@ def cuda_rank_devices(gpu_ranks: int, device_count: int) -> list[int]:
         raise ValueError(f"gpu_ranks must be 0 (one rank per GPU) or a positive number of ranks, got {gpu_ranks!r}")
     count = gpu_ranks if gpu_ranks > 0 else device_count
     return [r % device_count for r in range(count)]
+
+
+def choose_placement(placement: str, num_bytes: int, free_bytes: int | None) -> str:
+    """"device" or "host" for a memory of `num_bytes`: `auto` picks the device when the table takes at
+    most half of the device memory that is free (`free_bytes`; None = unknown, which counts as fitting)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if placement != "auto":
+        return placement
+    return "device" if free_bytes is None or num_bytes <= free_bytes // 2 else "host"
 
 
 def resolve_tier(requested: str, rows_per_layer: Sequence[int], hidden: int, dtype: torch.dtype,

@@ -10,8 +10,8 @@ rows requantizes exactly the written rows with fresh scales.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -178,3 +178,30 @@ def decode_rows(data: torch.Tensor, sf: torch.Tensor | None) -> torch.Tensor:
     if data.dtype == torch.float8_e4m3fn:
         return ue8m0.dequantize_rows(data, sf)
     return data.float()
+
+
+def make_hook(result: object, event: Any = None, device: torch.device | None = None) -> Callable[[], object]:
+    """A fetch's hook (the EngramBuffer contract: one per layer): returns the layer's result; with a CUDA
+    `event`, the calling stream first waits for the copy that fills it."""
+
+    def hook() -> object:
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+        return result
+
+    return hook
+
+
+def table_bytes(rows_per_layer: Sequence[int], hidden: int, table_dtype: torch.dtype) -> int:
+    """Bytes of a memory's rows and scales."""
+    packs = ue8m0.num_sf_packs(hidden) if table_dtype == torch.float8_e4m3fn else 0
+    return sum(int(n) for n in rows_per_layer) * (hidden * table_dtype.itemsize + packs * 4)
+
+
+def word_dtype(*sizes: int) -> torch.dtype:
+    """Widest integer type dividing every size (row widths, byte offsets), so that gathers and copies move
+    words rather than bytes; uint8 when none does."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if all(s % dtype.itemsize == 0 for s in sizes):
+            return dtype
+    return torch.uint8

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import sys
 import time
 
 import torch
@@ -22,60 +20,27 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES
-from ..engram.host_tier import PLACEMENTS, HostRowStore
+from ..engram.host_tier import HostRowStore
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
-from ..engram.placement import make_store, placement_text, resolve_tier
+from ..engram.placement import PLACEMENTS, make_store, placement_text, resolve_tier
 from ..engram.table_file import TableFileError, TableFileWriteError  # noqa: F401 - loaded here so that plain_error_names() renames its errors
+from ..engram.pairs import read_pairs
 from . import CATEGORY, NODE_ID_PREFIX
-from .engram_clip import bind, clip_layout, clip_tokenizers, encode, tokenize
+from .engram_clip import bind, clip_layout, clip_tokenizers, encode, hit_report, tokenize
+from .engram_images import heat_map, loss_curve_image
+from .engram_inputs import FOLDER, device_free_bytes, engram_files, finite_conditioning, finite_input, inside_input, plain_error_names, worker_pids
 from .engram_live import LIVE, SAVE_ADVICE, current_node_id, problem, serving
 
 logger = logging.getLogger(__name__)
 
-# ----- plain error type names -----
-#
-# ComfyUI shows an error's type as `module.qualname` (execution.full_type_name, same in 0.3.75 and
-# 0.29), and it imports a custom node pack under its folder's PATH as the module name, so the pack's
-# own exceptions would read "/home/.../custom_nodes/fp8_engram.engram.group.EngramWorkerError". Their
-# module is renamed to the pack's name, which is all a user needs to see: "fp8_engram.EngramWorkerError".
-PACK_MODULE = "fp8_engram"
-_PACK_ROOT = __name__.rsplit(".", 2)[0]  # this module is <pack>.nodes.engram
-
-
-def plain_error_names(root: str = _PACK_ROOT, shown_as: str = PACK_MODULE) -> list[str]:
-    """Give every exception class defined in the pack's loaded modules the module name `shown_as`."""
-    renamed = []
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == root or name.startswith(root + ".")):
-            continue
-        for value in list(vars(module).values()):
-            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == name:
-                value.__module__ = shown_as
-                renamed.append(value.__qualname__)
-    return renamed
-
-
-plain_error_names()
+plain_error_names()  # after the imports above: every error class of the pack is loaded by now
 
 ENGRAM_CATEGORY = f"{CATEGORY}/engram"
 EngramMemoryType = io.Custom("ENGRAM_MEMORY")
-FOLDER = "engram"
-
-folder_paths.add_model_folder_path(FOLDER, os.path.join(folder_paths.models_dir, FOLDER), is_default=True)
-_paths, _exts = folder_paths.folder_names_and_paths[FOLDER]
-folder_paths.folder_names_and_paths[FOLDER] = (_paths, set(_exts) | {".safetensors"})
-
 MEMORY_TOOLTIP = "An engram memory (from New Engram Memory or Load Engram Memory)."
-# The widget ranges of the float inputs, which the nodes also enforce (see _finite_input).
+# The widget ranges of the float inputs, which the nodes also enforce (see engram_inputs.finite_input).
 STRENGTH_RANGE = (-10.0, 10.0)
 LEARNING_RATE_RANGE = (1e-5, 10.0)
-
-def _device_free_bytes(devices: str) -> int:
-    """Free memory where `device` placement would put the tables: every GPU's, or the machine's RAM."""
-    if devices == "auto" and torch.cuda.is_available():
-        return sum(int(comfy.model_management.get_free_memory(torch.device("cuda", i))) for i in range(torch.cuda.device_count()))
-    return int(comfy.model_management.get_free_memory(torch.device("cpu")))
-
 
 _GPU_RANKS_TOOLTIP = ("CUDA processes holding the shards when devices = auto finds a GPU. 0: one per GPU. N: N processes "
                       "spread round-robin over the GPUs (rank r on GPU r mod GPU count), so several can share one GPU. "
@@ -156,7 +121,7 @@ class NewEngramMemory(io.ComfyNode):
         tokenizers = clip_tokenizers(clip)
         config, vocabs = make_config(layout, tokenizers, max_order=max_order, heads=heads, rows_per_head=rows_per_head, seed=seed, gate=context_gate)
         placement, why = resolve_tier(requested, config.rows_per_layer(1), config.hidden, _DTYPES[dtype],
-                                      lambda: _device_free_bytes(devices))
+                                      lambda: device_free_bytes(devices))
         key = ("new", config.to_metadata().__repr__(), dtype, devices, cpu_ranks, gpu_ranks, placement)
 
         def wrap(store, state=None):
@@ -191,18 +156,7 @@ class NewEngramMemory(io.ComfyNode):
                     f"into the old one is gone. {SAVE_ADVICE}\n{text}")
         elif lost is not None:
             text = f"Made again (the previous memory was {lost}).\n{text}"
-        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": _worker_pids(memory)})
-
-
-def _worker_pids(memory: EngramMemory) -> list[int]:
-    pids = getattr(memory.store, "worker_pids", None)  # EngramGroup: a property
-    if callable(pids):
-        pids = pids()
-    return [int(p) for p in pids] if pids else []
-
-
-def _engram_files() -> list[str]:
-    return folder_paths.get_filename_list(FOLDER)
+        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": worker_pids(memory)})
 
 
 class LoadEngramMemory(io.ComfyNode):
@@ -216,7 +170,7 @@ class LoadEngramMemory(io.ComfyNode):
             "Runs again (reloading the file) when the memory was written since (Memorize, Train), and rebuilds "
             "it from the file when a worker process died.",
             inputs=[
-                io.Combo.Input("memory_name", options=_engram_files(), tooltip="A table file in models/engram (written by Save Engram Memory)."),
+                io.Combo.Input("memory_name", options=engram_files(), tooltip="A table file in models/engram (written by Save Engram Memory)."),
                 io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip=_DEVICES_TOOLTIP),
                 io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip=_CPU_RANKS_TOOLTIP),
                 io.Int.Input("gpu_ranks", default=0, min=0, max=64, optional=True, tooltip=_GPU_RANKS_TOOLTIP),
@@ -254,7 +208,7 @@ class LoadEngramMemory(io.ComfyNode):
         dtype = torch.float8_e4m3fn if geometry.get("dtype") == "float8_e4m3fn" else torch.bfloat16
         needed = config.rows_per_layer(1)  # the rows the hashing addresses (a file may be padded past them)
         rows = [int(n) for n in geometry.get("rows_per_layer") or needed]
-        placement, why = resolve_tier(requested, rows, config.hidden, dtype, lambda: _device_free_bytes(devices))
+        placement, why = resolve_tier(requested, rows, config.hidden, dtype, lambda: device_free_bytes(devices))
         mtime = os.path.getmtime(path)
         key = ("load", path, mtime, devices, cpu_ranks, gpu_ranks, placement)
 
@@ -302,7 +256,7 @@ class LoadEngramMemory(io.ComfyNode):
             text = f"Rebuilt from {memory_name}: the previous memory was {lost}.\n{text}"
         elif lost is not None:
             text = f"Loaded again from {memory_name} (the previous memory was {lost}).\n{text}"
-        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": _worker_pids(memory)})
+        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": worker_pids(memory)})
 
 
 class SaveEngramMemory(io.ComfyNode):
@@ -345,53 +299,6 @@ class SaveEngramMemory(io.ComfyNode):
         return io.NodeOutput(memory, ui={"text": [f"saved {path} (version {memory.version})"]})
 
 
-def _hit_report(memory: EngramMemory, tokens: dict, clip=None, looked_up: tuple | None = None) -> dict:
-    """UI data for the frontend: per stream, every word of the prompt, whether it hit written rows, and
-    how strongly (norm of the memory value added to it):
-    `engram_hits = [{stream, tokens: [{text, hit, strength, entries_hit, entries, row}]}]`."""
-    decoders = clip_tokenizers(clip) if clip is not None else {}
-    token_key = {s.name: s.token_key for s in memory.config.layout.streams}
-    streams: dict[str, list[dict]] = {}
-    for h in memory.hits(tokens, looked_up):
-        tok = decoders.get(token_key[h.stream])
-        text = tok.decode([h.token_id]).strip() if tok is not None else str(h.token_id)
-        streams.setdefault(h.stream, []).append({
-            "text": text, "hit": h.entries_hit > 0, "strength": round(h.norm, 4),
-            "entries_hit": h.entries_hit, "entries": h.entries, "row": h.row,
-        })
-    hit_words = [t for entries in streams.values() for t in entries if t["hit"]]
-    summary = ", ".join(f"{t['text']} ({t['entries_hit']}/{t['entries']})" for t in hit_words)
-    return {
-        "engram_hits": [{"stream": name, "tokens": entries} for name, entries in streams.items()],
-        "text": [summary or "no stored n-gram in this prompt"],
-    }
-
-
-def _finite_input(node: str, name: str, value, low: float, high: float) -> float:
-    """A float input as a float, refused by name when it is not a finite number in [low, high].
-
-    ComfyUI's validation compares a FLOAT input with the widget's min and max, and every comparison
-    with NaN is false, so a raw JSON `NaN` in an API prompt reaches the node; it would turn every
-    conditioning value it touches into NaN without an error."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{node}: input '{name}' must be a number, got {value!r}") from None
-    if not math.isfinite(number) or not low <= number <= high:
-        raise ValueError(f"{node}: input '{name}' is {number!r}; give a finite number from {low:g} to {high:g}")
-    return number
-
-
-def _finite_conditioning(cond, what: str):
-    """`cond` (a CONDITIONING tensor), refused with an error naming `what` (the node and its input) when
-    it holds NaN or inf: written into the memory it would make every later prompt's conditioning NaN."""
-    if isinstance(cond, torch.Tensor) and cond.is_floating_point() and not bool(torch.isfinite(cond).all()):
-        bad = int((~torch.isfinite(cond)).sum())
-        raise EngramMemoryError(f"{what} holds NaN or infinite values ({bad} of {cond.numel()}); nothing was written "
-                                "into the memory. Give a finite conditioning")
-    return cond
-
-
 def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dict, strength: float, looked_up: tuple | None = None) -> list:
     out = []
     for cond, extra in conditioning:
@@ -419,14 +326,14 @@ class EngramTextEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip, text, memory, strength) -> io.NodeOutput:
-        strength = _finite_input("Engram Text Encode", "strength", strength, *STRENGTH_RANGE)
+        strength = finite_input("Engram Text Encode", "strength", strength, *STRENGTH_RANGE)
         with serving("Engram Text Encode", memory):
             bind(memory, clip)
             tokens = tokenize(clip, text)
             # The rows each token reads follow from its id alone: look them up while the encoder runs.
             conditioning, looked_up = memory.lookup_beside(tokens, lambda: encode(clip, tokens))
             out = _apply_to_conditioning(conditioning, memory, tokens, strength, looked_up)
-            ui = _hit_report(memory, tokens, clip, looked_up)
+            ui = hit_report(memory, tokens, clip, looked_up)
         return io.NodeOutput(out, ui=ui)
 
 
@@ -450,7 +357,7 @@ class EngramApply(io.ComfyNode):
 
     @classmethod
     def execute(cls, conditioning, text, memory, strength, clip=None) -> io.NodeOutput:
-        strength = _finite_input("Engram Apply", "strength", strength, *STRENGTH_RANGE)
+        strength = finite_input("Engram Apply", "strength", strength, *STRENGTH_RANGE)
         with serving("Engram Apply", memory):
             if clip is not None:
                 bind(memory, clip)
@@ -462,7 +369,7 @@ class EngramApply(io.ComfyNode):
             # for the injection and the hit report alike.
             looked_up = memory.values(tokens)
             out = _apply_to_conditioning(conditioning, memory, tokens, strength, looked_up)
-            ui = _hit_report(memory, tokens, clip if clip is not None else host_clip, looked_up)
+            ui = hit_report(memory, tokens, clip if clip is not None else host_clip, looked_up)
         return io.NodeOutput(out, ui=ui)
 
 
@@ -491,11 +398,11 @@ class EngramMemorize(io.ComfyNode):
         with serving("Engram Memorize", memory):
             bind(memory, clip)
             tokens = tokenize(clip, text)
-            base = _finite_conditioning(encode(clip, tokens)[0][0], "Engram Memorize: the conditioning `clip` makes of input 'text'")
+            base = finite_conditioning(encode(clip, tokens)[0][0], "Engram Memorize: the conditioning `clip` makes of input 'text'")
             if target is not None:
-                target_cond = _finite_conditioning(target[0][0], "Engram Memorize: input 'target' (the target conditioning)")
+                target_cond = finite_conditioning(target[0][0], "Engram Memorize: input 'target' (the target conditioning)")
             elif target_text.strip():
-                target_cond = _finite_conditioning(encode(clip, tokenize(clip, target_text))[0][0],
+                target_cond = finite_conditioning(encode(clip, tokenize(clip, target_text))[0][0],
                                                    "Engram Memorize: the conditioning `clip` makes of input 'target_text'")
             else:
                 raise EngramMemoryError("give a target: connect a target CONDITIONING or write a target_text")
@@ -504,136 +411,6 @@ class EngramMemorize(io.ComfyNode):
             raise EngramMemoryError(f"Engram Memorize: {text!r} has no n-gram to store; use a phrase of at least two tokens")
         summary = f"memorized {text!r}: {sum(written.values())} rows in {len(written)} stream(s), version {memory.version}"
         return io.NodeOutput(memory, ui={"text": [summary]})
-
-
-# What one line of a pairs file may hold. Prompts are text-encoder prompts: a few hundred characters
-# in practice; the bound keeps a runaway line (a whole book on one line) from being read, tokenized and
-# encoded whole, which would hold the server for minutes at gigabytes of memory.
-MAX_PAIR_TEXT_CHARS = 4096
-MAX_PAIR_LINE_BYTES = 64 * 1024
-_READ_CHECK_LINES = 256  # lines read between two looks at ComfyUI's cancel flag
-
-
-def _inside_input(name: str, what: str, relative_to: str | None = None) -> str:
-    """The real path of `name` inside ComfyUI's input folder (a name there, optionally with ComfyUI's
-    " [input]" annotation, or for files named by a pairs file, relative to that file's folder). Anything
-    that resolves outside the input folder (absolute paths, "..", symlinks that leave it) is refused
-    before it is opened, and so is anything but a regular file."""
-    base = os.path.realpath(folder_paths.get_input_directory())
-    plain, annotated_base = folder_paths.annotated_filepath(name.strip())
-    if annotated_base is not None and os.path.realpath(annotated_base) != base:
-        raise ValueError(f"{what} {name!r}: only files in ComfyUI's input folder can be used")
-    if "\0" in plain:
-        raise ValueError(f"{what} {name!r}: the name holds a NUL character")
-    start = base if relative_to is None else relative_to
-    path = os.path.realpath(os.path.join(start, plain)) if plain and not os.path.isabs(plain) else None
-    if path is None or os.path.commonpath([base, path]) != base:
-        raise ValueError(f"{what} {name!r} is not a file inside ComfyUI's input folder; put the file in the input "
-                         "folder and give its name there (absolute paths, '..' and links that leave the folder are refused)")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{what} {name!r} does not exist in ComfyUI's input folder")
-    if not os.path.isfile(path):
-        raise ValueError(f"{what} {name!r} is not a regular file")
-    return path
-
-
-def _pair_lines(f, cancel):
-    """(line number, bytes or None when the line is longer than MAX_PAIR_LINE_BYTES) for every line of
-    the binary file `f`; an overlong line is skipped in bounded pieces, never held whole."""
-    number = 0
-    while True:
-        line = f.readline(MAX_PAIR_LINE_BYTES + 1)
-        if not line:
-            return
-        number += 1
-        if number % _READ_CHECK_LINES == 0:
-            cancel()
-        if len(line) > MAX_PAIR_LINE_BYTES and not line.endswith(b"\n"):
-            while line and not line.endswith(b"\n"):  # the rest of the line, piece by piece
-                line = f.readline(1 << 20)
-                cancel()
-            yield number, None
-            continue
-        yield number, line
-
-
-def _read_pairs(path: str, cancel=lambda: None) -> list[dict]:
-    """Lines of a JSONL file: {"prompt": str, "target": str} or {"prompt": str, "target_conditioning": file}.
-    Streams the file; `cancel()` is called as it goes (it raises to stop)."""
-    pairs, errors, broken = [], [], 0
-
-    def broken_line(message: str) -> None:
-        nonlocal broken
-        broken += 1
-        if len(errors) < 20:
-            errors.append(message)
-
-    with open(path, "rb") as f:
-        for number, raw in _pair_lines(f, cancel):
-            if raw is None:
-                broken_line(f"line {number}: longer than {MAX_PAIR_LINE_BYTES // 1024} KiB (a pair's texts may hold "
-                            f"{MAX_PAIR_TEXT_CHARS} characters each)")
-                continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                broken_line(f"line {number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
-                continue
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                broken_line(f"line {number}: not JSON ({exc.msg})")
-                continue
-            except RecursionError:
-                broken_line(f"line {number}: JSON nested too deeply to read (a pair is one flat object)")
-                continue
-            except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
-                broken_line(f"line {number}: JSON this reader cannot take ({str(exc).split(';')[0]})")
-                continue
-            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-                broken_line(f"line {number}: needs a string \"prompt\"")
-                continue
-            if not isinstance(item.get("target"), str) and not isinstance(item.get("target_conditioning"), str):
-                broken_line(f"line {number}: needs a string \"target\" or \"target_conditioning\" (a .safetensors file with key \"cond\")")
-                continue
-            long = [k for k in ("prompt", "target") if isinstance(item.get(k), str) and len(item[k]) > MAX_PAIR_TEXT_CHARS]
-            if long:
-                broken_line(f"line {number}: \"{long[0]}\" has {len(item[long[0]])} characters, more than the "
-                            f"{MAX_PAIR_TEXT_CHARS} a pair may hold")
-                continue
-            item["line"] = number
-            pairs.append(item)
-    name = os.path.basename(path)
-    if broken:
-        more = f"; and {broken - len(errors)} more" if broken > len(errors) else ""
-        raise ValueError(f"{name}: {broken} broken line(s): " + "; ".join(errors) + more)
-    if not pairs:
-        raise ValueError(f"{name}: no training pairs")
-    return pairs
-
-
-def _loss_curve_image(losses: list[float], width: int = 512, height: int = 256) -> torch.Tensor:
-    """A plain line plot of log10(loss) per step as a ComfyUI IMAGE [1, H, W, 3]."""
-    image = torch.full((height, width, 3), 0.08)
-    if not losses:
-        return image.unsqueeze(0)
-    values = torch.tensor([math.log10(max(v, 1e-30)) for v in losses], dtype=torch.float64)
-    lo, hi = float(values.min()), float(values.max())
-    span = hi - lo if hi > lo else 1.0
-    margin = 12
-    xs = torch.linspace(margin, width - margin - 1, len(losses))
-    ys = (height - margin - 1) - (values - lo) / span * (height - 2 * margin - 1)
-    image[margin:height - margin, margin] = 0.5  # axes
-    image[height - margin - 1, margin:width - margin] = 0.5
-    for i in range(len(losses) - 1):  # draw segments densely enough to be continuous
-        n = max(2, int(abs(float(xs[i + 1] - xs[i])) + abs(float(ys[i + 1] - ys[i]))) + 1)
-        t = torch.linspace(0, 1, n, dtype=torch.float64)
-        px = (xs[i] + (xs[i + 1] - xs[i]) * t).round().long().clamp(0, width - 1)
-        py = (ys[i] + (ys[i + 1] - ys[i]) * t).round().long().clamp(0, height - 1)
-        image[py, px] = torch.tensor([0.95, 0.6, 0.1])
-    return image.unsqueeze(0)
 
 
 class EngramTrain(io.ComfyNode):
@@ -663,11 +440,11 @@ class EngramTrain(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, pairs_file, steps, learning_rate, batch_size, seed) -> io.NodeOutput:
-        learning_rate = _finite_input("Engram Train", "learning_rate", learning_rate, *LEARNING_RATE_RANGE)
-        path = _inside_input(pairs_file, "Engram Train: pairs_file")
+        learning_rate = finite_input("Engram Train", "learning_rate", learning_rate, *LEARNING_RATE_RANGE)
+        path = inside_input(pairs_file, "Engram Train: pairs_file")
         cancel = comfy.model_management.throw_exception_if_processing_interrupted
         try:
-            pairs = _read_pairs(path, cancel)
+            pairs = read_pairs(path, cancel)
         except ValueError as exc:
             raise ValueError(f"Engram Train: {exc}") from exc
         with serving("Engram Train", memory):
@@ -682,19 +459,19 @@ class EngramTrain(io.ComfyNode):
             comfy.model_management.throw_exception_if_processing_interrupted()
             line = f"Engram Train: {name} line {item['line']}"
             tokens = tokenize(clip, item["prompt"])
-            base = _finite_conditioning(encode(clip, tokens)[0][0], f"{line}: the conditioning of \"prompt\"")
+            base = finite_conditioning(encode(clip, tokens)[0][0], f"{line}: the conditioning of \"prompt\"")
             if isinstance(item.get("target"), str):
-                target = _finite_conditioning(encode(clip, tokenize(clip, item["target"]))[0][0], f"{line}: the conditioning of \"target\"")
+                target = finite_conditioning(encode(clip, tokenize(clip, item["target"]))[0][0], f"{line}: the conditioning of \"target\"")
             else:
                 where = f"{line}: target_conditioning"
-                cond_path = _inside_input(item["target_conditioning"], where, relative_to=os.path.dirname(path))
+                cond_path = inside_input(item["target_conditioning"], where, relative_to=os.path.dirname(path))
                 try:
                     target = comfy.utils.load_torch_file(cond_path, safe_load=True)["cond"]
                 except Exception as exc:
                     raise ValueError(f"{where}: cannot read key 'cond' of {item['target_conditioning']}: {exc}") from exc
                 if target.dim() == 2:
                     target = target.unsqueeze(0)
-                _finite_conditioning(target, f"{where} {item['target_conditioning']!r} (key 'cond')")
+                finite_conditioning(target, f"{where} {item['target_conditioning']!r} (key 'cond')")
             # Each pair becomes its examples at once (only its streams' columns), so the whole CONDITIONING
             # of every pair is never held together.
             examples.extend(memory.examples([(tokens, base, target)]))
@@ -716,22 +493,7 @@ class EngramTrain(io.ComfyNode):
         result = memory.fit(examples, steps=steps, lr=learning_rate, batch_size=batch_size, seed=seed, progress=progress,
                             should_stop=should_stop, cancel=comfy.model_management.throw_exception_if_processing_interrupted)
         summary = f"trained {result.steps} steps on {len(pairs)} pairs: loss {result.losses[0]:.5g} -> {result.losses[-1]:.5g}" if result.losses else "nothing to train"
-        return io.NodeOutput(memory, _loss_curve_image(result.losses), ui={"text": [summary], "losses": result.losses})
-
-
-def _heat_map(hits, cell: int = 16) -> torch.Tensor:
-    streams = sorted({h.stream for h in hits})
-    if not hits:
-        return torch.zeros(1, cell, cell, 3)
-    rows = {s: [h for h in hits if h.stream == s] for s in streams}
-    width = max(len(v) for v in rows.values())
-    peak = max((h.norm for h in hits), default=0.0) or 1.0
-    image = torch.zeros(len(streams) * cell, width * cell, 3)
-    for r, s in enumerate(streams):
-        for c, h in enumerate(rows[s]):
-            level = h.norm / peak
-            image[r * cell + 1:(r + 1) * cell - 1, c * cell + 1:(c + 1) * cell - 1] = torch.tensor([level, 0.3 * level, 1.0 - level]) * (0.3 + 0.7 * h.entries_hit / max(h.entries, 1))
-    return image.unsqueeze(0)
+        return io.NodeOutput(memory, loss_curve_image(result.losses), ui={"text": [summary], "losses": result.losses})
 
 
 class EngramInspect(io.ComfyNode):
@@ -761,7 +523,7 @@ class EngramInspect(io.ComfyNode):
             bind(memory, clip)
             tokens = tokenize(clip, text)
             hits = memory.hits(tokens)
-            ui = _hit_report(memory, tokens, clip)
+            ui = hit_report(memory, tokens, clip)
         tokenizers = clip_tokenizers(clip)
         by_stream = {s.name: s.token_key for s in memory.config.layout.streams}
         lines = [f"{memory!r}"]
@@ -770,7 +532,7 @@ class EngramInspect(io.ComfyNode):
             lines.append(f"{h.stream} row {h.row:4d} {word!r:>16}: {h.entries_hit}/{h.entries} entries, |v| = {h.norm:.4g}")
         report = "\n".join(lines)
         ui["text"] = [report]
-        return io.NodeOutput(_heat_map(hits), report, ui=ui)
+        return io.NodeOutput(heat_map(hits), report, ui=ui)
 
 
 class ConditioningSimilarity(io.ComfyNode):

@@ -1,6 +1,6 @@
 """CLIP adaptation for the engram nodes (the only place that knows ComfyUI's tokenizer objects): a CLIP's
-family and stream layout (learned once per CLIP object), its tokenizers, tokenizing and encoding, and
-binding a memory to the CLIP it is used with."""
+family and stream layout (learned once per CLIP object), its tokenizers, tokenizing and encoding,
+binding a memory to the CLIP it is used with, and the per-word hit report its tokenizers spell out."""
 
 from __future__ import annotations
 
@@ -100,3 +100,25 @@ def bind(memory: EngramMemory, clip) -> None:
     check_clip_type(memory, clip)
     memory.bind_tokenizers(clip_tokenizers(clip))
     LIVE.notes(memory).clip = clip
+
+
+def hit_report(memory: EngramMemory, tokens: dict, clip=None, looked_up: tuple | None = None) -> dict:
+    """UI data for the frontend: per stream, every word of the prompt, whether it hit written rows, and
+    how strongly (norm of the memory value added to it):
+    `engram_hits = [{stream, tokens: [{text, hit, strength, entries_hit, entries, row}]}]`."""
+    decoders = clip_tokenizers(clip) if clip is not None else {}
+    token_key = {s.name: s.token_key for s in memory.config.layout.streams}
+    streams: dict[str, list[dict]] = {}
+    for h in memory.hits(tokens, looked_up):
+        tok = decoders.get(token_key[h.stream])
+        text = tok.decode([h.token_id]).strip() if tok is not None else str(h.token_id)
+        streams.setdefault(h.stream, []).append({
+            "text": text, "hit": h.entries_hit > 0, "strength": round(h.norm, 4),
+            "entries_hit": h.entries_hit, "entries": h.entries, "row": h.row,
+        })
+    hit_words = [t for entries in streams.values() for t in entries if t["hit"]]
+    summary = ", ".join(f"{t['text']} ({t['entries_hit']}/{t['entries']})" for t in hit_words)
+    return {
+        "engram_hits": [{"stream": name, "tokens": entries} for name, entries in streams.items()],
+        "text": [summary or "no stored n-gram in this prompt"],
+    }

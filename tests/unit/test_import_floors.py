@@ -219,6 +219,13 @@ def test_no_quant_module_over_600_lines():
     assert not {n: c for n, c in long.items() if c > 600}
 
 
+@pytest.mark.parametrize("package", ["engram", "nodes"])
+def test_no_module_over_600_lines(package):
+    long = {n: len(p.read_text().splitlines()) for n, p in MODULES.items() if n.split(".")[0] == package}
+    assert long, f"no modules found in {package}/"
+    assert not {n: c for n, c in long.items() if c > 600}
+
+
 @pytest.mark.parametrize("package", ["quant", "engram", "nodes"])
 def test_readme_shows_the_floors(package):
     readme = (ROOT / "README.md").read_text()
