@@ -451,12 +451,10 @@ class EngramGroup:
         buffer = self._ready("fetch rows")
         check_fetch_indices(indices, self.num_layers)
         _, tokens, entries = indices.shape
-        out = []
-        for layer in range(self.num_layers):
-            ids = indices[layer].reshape(-1)
-            data, sf = buffer.read_global_rows(layer, ids)
-            out.append(decode_checked(data, sf, ids, layer, self.source).view(tokens, entries, self.hidden))
-        return out
+        flat = indices.reshape(self.num_layers, tokens * entries)
+        data, sf = buffer.gather_layers(flat)  # every layer's rows in one pass
+        return [decode_checked(data[layer], sf[layer] if sf is not None else None, flat[layer], layer, self.source)
+                .view(tokens, entries, self.hidden) for layer in range(self.num_layers)]
 
     def read_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         buffer = self._ready("read rows")
