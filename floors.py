@@ -1,14 +1,15 @@
 """The pack's floors: which module may import which. The import test and README's Architecture section
-both read this one table (``tests/unit/test_import_floors.py`` checks both).
+both read these tables (``tests/unit/test_import_floors.py`` checks both).
 
 A module may import modules of its own floor (without a cycle) and of the floors below it, never of a
 floor above. Imports inside functions count. Names are relative to the package; a name ending in "/" is
-a subpackage (all its modules). Packages: ``nodes`` (the only code that imports ComfyUI) may import
-``quant`` and ``engram``; those two never import ``nodes`` nor each other.
+a subpackage (all its modules). Packages: ``common`` is below everything and imports no other package
+(nor torch, nor ComfyUI); ``quant`` and ``engram`` may import ``common`` only, never ``nodes`` nor each
+other; ``nodes`` (the only code that imports ComfyUI) may import all three.
 """
 
-PACKAGES = ("quant", "engram", "nodes")
-ALLOWED_PACKAGES = {"quant": (), "engram": (), "nodes": ("quant", "engram")}
+PACKAGES = ("common", "quant", "engram", "nodes")
+ALLOWED_PACKAGES = {"common": (), "quant": ("common",), "engram": ("common",), "nodes": ("common", "quant", "engram")}
 
 # quant/, lowest floor first: (floor name, its modules, its one job)
 QUANT_FLOORS = (
@@ -28,10 +29,42 @@ QUANT_FLOORS = (
      "file I/O: safetensors reading, format detection and loading, save, quantize, convert CLI, the selftest CLI"),
 )
 
+# engram/, lowest floor first
+ENGRAM_FLOORS = (
+    ("base", ("errors", "ue8m0", "hashing", "compress", "streams", "pairs"),
+     "errors that cross floors, the UE8M0 row format, n-gram hashing, tokenizer compression, stream layouts, "
+     "training pairs files"),
+    ("rows", ("rows", "inject", "fit"),
+     "the row-store protocol and the rules every store applies, injection into conditioning, table fitting"),
+    ("files", ("table_file",),
+     "the table file: validated, mapped reading and atomic writing"),
+    ("stores", ("store", "cuda_ipc", "allocators", "shard_layout", "shard_gathers", "gather_triton", "buffer", "worker",
+                "processes", "group", "host_tier"),
+     "the row stores: one process, LocalEngramBuffer and its shard memory, the worker group and its processes, the host tier"),
+    ("memory", ("config", "memory", "placement", "__init__"),
+     "a memory's settings and their file metadata, EngramMemory over a row store, where a memory lives and why"),
+)
 
-def quant_floor_of(module: str) -> int | None:
-    """Floor index of a quant/ module name relative to the package ("layouts.fp8", "tensor", "__init__")."""
-    for i, (_, members, _) in enumerate(QUANT_FLOORS):
+# nodes/, lowest floor first
+NODES_FLOORS = (
+    ("extension", ("__init__",),
+     "the extension that lists the nodes, the category and node id prefix"),
+    ("adapters", ("ops", "engram_live", "engram_clip", "engram_inputs", "engram_images"),
+     "ComfyUI adapters below the nodes: FP8 operations, the live memories, CLIP families and tokenizers, "
+     "inputs and folders, images"),
+    ("nodes", ("basic", "fp8", "engram"),
+     "node classes: schema, execute, UI text"),
+)
+
+FLOORS = {"common": (), "quant": QUANT_FLOORS, "engram": ENGRAM_FLOORS, "nodes": NODES_FLOORS}
+
+
+def floor_of(package: str, module: str) -> int | None:
+    """Floor index of a module of `package` ("quant", "engram", "nodes"; "common" has one floor, 0),
+    named relative to the package ("layouts.fp8", "tensor", "__init__")."""
+    if package == "common":
+        return 0
+    for i, (_, members, _) in enumerate(FLOORS[package]):
         for m in members:
             if m.endswith("/") and (module == m[:-1] or module.startswith(m[:-1] + ".")):
                 return i
@@ -40,9 +73,14 @@ def quant_floor_of(module: str) -> int | None:
     return None
 
 
-def readme_lines() -> list[str]:
-    """The lines README's Architecture section shows for quant/'s floors (the test checks they are there)."""
+def quant_floor_of(module: str) -> int | None:
+    """Floor index of a quant/ module name relative to the package ("layouts.fp8", "tensor", "__init__")."""
+    return floor_of("quant", module)
+
+
+def readme_lines(package: str = "quant") -> list[str]:
+    """The lines README's Architecture section shows for a package's floors (the test checks they are there)."""
     lines = []
-    for i, (name, members, job) in enumerate(QUANT_FLOORS, 1):
+    for i, (name, members, job) in enumerate(FLOORS[package], 1):
         lines.append(f"{i}. {name} ({', '.join(members)}): {job}")
     return lines

@@ -170,10 +170,12 @@ class Comfy:
         import comfy_extras.nodes_flux as nodes_flux
 
         from fp8_engram.nodes import engram as pack_engram
+        from fp8_engram.nodes import engram_clip as pack_engram_clip
         from fp8_engram.nodes import fp8 as pack_fp8
         from fp8_engram.nodes import ops as pack_ops
 
         self.nodes_flux, self.pack_fp8, self.pack_engram, self.pack_ops = nodes_flux, pack_fp8, pack_engram, pack_ops
+        self.pack_engram_clip = pack_engram_clip
         self.device = mm.get_torch_device()
         self.cuda = self.device.type == "cuda"
 
@@ -609,8 +611,8 @@ def library_memory(c: Comfy, clip, ranks: int, rows_per_head: int, device: str):
     from fp8_engram.engram.memory import EngramMemory, make_config
 
     defaults = c.defaults(c.pack_engram.NewEngramMemory)
-    layout = c.pack_engram._clip_layout(clip)
-    config, vocabs = make_config(layout, c.pack_engram._clip_tokenizers(clip), max_order=defaults.get("max_order", 3),
+    layout = c.pack_engram_clip.clip_layout(clip)
+    config, vocabs = make_config(layout, c.pack_engram_clip.clip_tokenizers(clip), max_order=defaults.get("max_order", 3),
                                  heads=defaults.get("heads", 8), rows_per_head=rows_per_head, seed=0)
     store = EngramGroup(config.rows_per_layer(ranks), config.hidden, c.torch.bfloat16, num_ranks=ranks, device=device)
     try:

@@ -147,7 +147,8 @@ def host_main(args) -> int:
     if args.encoder_threads:
         torch.set_num_threads(args.encoder_threads)
     import comfy.sd
-    from fp8_engram.engram.host_tier import HostRowStore, table_bytes
+    from fp8_engram.engram.host_tier import HostRowStore
+    from fp8_engram.engram.rows import table_bytes
     from fp8_engram.engram.memory import EngramMemory, config_from_table_file, make_config
     from fp8_engram.engram.streams import family_layout
 

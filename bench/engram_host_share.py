@@ -99,7 +99,7 @@ def main() -> int:
     import torch
 
     from _engram_tables import drop_from_page_cache, write_random_table_file
-    from fp8_engram.engram.host_tier import table_bytes
+    from fp8_engram.engram.rows import table_bytes
 
     row_bytes = table_bytes([1], HIDDEN, torch.float8_e4m3fn)
     rows = -(-int(args.table_gib * 2**30) // row_bytes)

@@ -39,6 +39,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..common.sizes import size_text
+
 logger = logging.getLogger(__name__)
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -151,10 +153,6 @@ class SharedMemoryFullError(MemoryError):
     message gives the bytes asked and the bytes free there."""
 
 
-def _size_text(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
 def shm_space(folder: str = _SHM_DIR) -> tuple[int, int] | None:
     """(bytes free, bytes in all) of the filesystem holding `folder`; None where it cannot be asked."""
     try:
@@ -167,10 +165,10 @@ def shm_space(folder: str = _SHM_DIR) -> tuple[int, int] | None:
 def shm_full_error(what: str, num_bytes: int, folder: str = _SHM_DIR, total_bytes: int | None = None) -> SharedMemoryFullError:
     """The error for `what` needing `num_bytes` (of `total_bytes` asked in all) of shared memory in `folder`."""
     space = shm_space(folder)
-    free = f"{_size_text(space[0])} of its {_size_text(space[1])} are free" if space else "its free space is unknown"
-    asked = f"{_size_text(num_bytes)} ({num_bytes:,} bytes)"
+    free = f"{size_text(space[0], mib_digits=1)} of its {size_text(space[1], mib_digits=1)} are free" if space else "its free space is unknown"
+    asked = f"{size_text(num_bytes, mib_digits=1)} ({num_bytes:,} bytes)"
     if total_bytes is not None and total_bytes != num_bytes:
-        asked += f", {_size_text(total_bytes)} in all"
+        asked += f", {size_text(total_bytes, mib_digits=1)} in all"
     return SharedMemoryFullError(
         f"{what} needs {asked} of shared memory in {folder}, but {free}: free space there (files other programs "
         f"left in {folder}), give the machine or container a larger {folder} (docker: --shm-size), or make the "
@@ -252,7 +250,7 @@ def shared_memory_allocator(group: dist.ProcessGroup, num_bytes: int, device: to
         gathered = all_gather_object(group, (name, failure), cpu)
         failed = [(r, text) for r, (_, text) in enumerate(gathered) if text]
         if failed:
-            raise SharedMemoryFullError(f"{num_ranks} CPU ranks x {_size_text(num_bytes)} of engram shards do not fit in "
+            raise SharedMemoryFullError(f"{num_ranks} CPU ranks x {size_text(num_bytes, mib_digits=1)} of engram shards do not fit in "
                                         f"{_SHM_DIR}: {failed[0][1]}")
         names = [n for n, _ in gathered]
         # Reserve one range for all shards, then map each shard file over its slot. The Python mmap object

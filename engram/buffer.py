@@ -36,16 +36,16 @@ Gather modes (`gather_mode`):
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .allocators import PAGE_SIZE, ShardAllocator, ShardMemory, ShardSharingError, all_gather_int64, barrier, collective_device, default_allocator
-from .store import check_buffer_indices, check_buffer_storages
+from .allocators import ShardAllocator, ShardMemory, ShardSharingError, all_gather_int64, barrier, collective_device, default_allocator
+from .rows import check_buffer_indices, check_buffer_storages, make_hook, word_dtype
+from .shard_gathers import ShardGathers
+from .shard_layout import ROW_ALIGNMENT_BYTES, ShardLayout, align  # noqa: F401 - re-exported: the layout the gather kernels read
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ logger = logging.getLogger(__name__)
 NUM_ALIGNED_SF_PACKS = 4
 # Limits of DeepEP's EngramBuffer configuration.
 NUM_MAX_LAYERS = 128
-ROW_ALIGNMENT_BYTES = 64
 _WRITE_CHUNK_BYTES = 1 << 30
 # Rows each rank writes into every layer of its shard at start, besides the first, middle and last ones,
 # for the check that every rank reads them back through the gather fetch uses (seeded positions).
@@ -69,59 +68,6 @@ def set_shard_allocator(allocator: ShardAllocator | None) -> None:
     _allocator_override = allocator
 
 
-def align(x: int, alignment: int) -> int:
-    return -(-x // alignment) * alignment
-
-
-def word_dtype(num_bytes: int) -> torch.dtype:
-    """Widest integer type tiling a row, so that gathers move words rather than bytes."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if num_bytes % dtype.itemsize == 0:
-            return dtype
-    return torch.uint8
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Byte layout of one rank's shard buffer (identical on every rank).
-
-    `[table l=0] .. [table l=L-1] [zero row] [scales l=0] .. [scales l=L-1] [zero scale row] [padding]`.
-    Table offsets are multiples of `row_bytes` and scale offsets multiples of `sf_row_bytes`, and the
-    total is a multiple of both and of the page size: with shards mapped back to back, every row of
-    every rank is one row of a single `[rows, row_bytes]` view of the whole range.
-    """
-
-    rows_per_layer: tuple[int, ...]
-    row_bytes: int
-    sf_row_bytes: int
-    table_offsets: tuple[int, ...]
-    zero_row_offset: int
-    sf_offsets: tuple[int, ...]
-    zero_sf_offset: int
-    num_bytes: int
-
-    @staticmethod
-    def build(rows_per_layer: Sequence[int], row_bytes: int, sf_row_bytes: int) -> ShardLayout:
-        offset = 0
-        table_offsets = []
-        for n in rows_per_layer:
-            table_offsets.append(offset)
-            offset += n * row_bytes
-        zero_row_offset = offset
-        offset += row_bytes
-        sf_offsets = []
-        zero_sf_offset = 0
-        if sf_row_bytes:
-            offset = align(offset, math.lcm(sf_row_bytes, ROW_ALIGNMENT_BYTES))
-            for n in rows_per_layer:
-                sf_offsets.append(offset)
-                offset += n * sf_row_bytes
-            zero_sf_offset = offset
-            offset += sf_row_bytes
-        total = align(offset, math.lcm(row_bytes, sf_row_bytes or 1, PAGE_SIZE))
-        return ShardLayout(tuple(rows_per_layer), row_bytes, sf_row_bytes, tuple(table_offsets), zero_row_offset, tuple(sf_offsets), zero_sf_offset, total)
-
-
 def _triton_available() -> bool:
     try:
         from . import gather_triton
@@ -130,14 +76,7 @@ def _triton_available() -> bool:
     return gather_triton.available()
 
 
-def _make_hook(result: object) -> Callable[[], object]:
-    def hook() -> object:
-        return result
-
-    return hook
-
-
-class LocalEngramBuffer:
+class LocalEngramBuffer(ShardGathers):
     """Engram tables sharded over one machine's ranks; see the module docstring for the contract."""
 
     def __init__(
@@ -371,6 +310,7 @@ class LocalEngramBuffer:
             self._seg_rows = stride // layout.row_bytes
             self._zero_row = layout.zero_row_offset // layout.row_bytes
             self._index_dtype = torch.int32 if span // min(layout.row_bytes, layout.sf_row_bytes or layout.row_bytes) < 2**31 - 1 else torch.int64
+            self._geometry = None  # per layer [layers, 1] tensors of the one-select gather, made at first use
             if self.use_fp8:
                 self._all_sfs = unified[:span].view(self._sf_word).view(span // layout.sf_row_bytes, self._sf_words)
                 self._seg_sf_rows = stride // layout.sf_row_bytes
@@ -511,110 +451,19 @@ class LocalEngramBuffer:
                     results.append((data[layer], sf_backing.as_strided((num_tokens, sf_width), sf_strides, layer * sf_layer_stride)))
                 else:
                     results.append(data[layer])
-            return [_make_hook(r) for r in results]
+            return [make_hook(r) for r in results]
 
+        rows, sf_rows = self.gather_layers(indices.view(num_layers, n))
+        data = rows.view(num_layers, num_tokens, entries * self.hidden)
         results: list[object] = []
         for layer in range(num_layers):
-            ids = indices[layer].reshape(n)
-            out_rows = data[layer].view(torch.uint8).view(n, self.layout.row_bytes)
-            sf_rows = torch.empty((n, self.layout.sf_row_bytes), dtype=torch.uint8, device=self.device) if self.use_fp8 else None
-            self._gather(layer, ids, out_rows, sf_rows)
             if self.use_fp8:
                 sf = sf_backing.as_strided((num_tokens, sf_width), sf_strides, layer * sf_layer_stride)
-                sf.copy_(sf_rows.view(self.sf_dtype).view(num_tokens, sf_width))
+                sf.copy_(sf_rows[layer].view(num_tokens, sf_width))
                 results.append((data[layer], sf))
             else:
                 results.append(data[layer])
-        return [_make_hook(r) for r in results]
-
-    # ----- gathers: fill out[i] (uint8 [n, row_bytes]) with row ids[i] of the layer, zero if invalid -----
-
-    def _route(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Global ids -> (valid, owner rank, local row); invalid entries get owner 0 and row 0."""
-        n = self.num_entries_per_layer[layer]
-        ids = ids.to(torch.int64)
-        valid = (ids >= 0) & (ids < self.num_ranks * n)
-        safe = torch.where(valid, ids, 0)
-        if self.num_ranks == 1:
-            return valid, torch.zeros_like(safe), safe
-        owner = torch.div(safe, n, rounding_mode="floor")
-        return valid, owner, safe - owner * n
-
-    def _gather(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
-        if self.gather_mode == "unified":
-            self._gather_unified(layer, ids, out_rows, sf_rows)
-        elif self.gather_mode == "fixed_shape":
-            self._gather_fixed_shape(layer, ids, out_rows, sf_rows)
-        else:
-            self._gather_grouped(layer, ids, out_rows, sf_rows)
-
-    def _gather_unified(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
-        # Row r of rank p's shard is row p * seg_rows + offset + r of the single view over all shards.
-        n = self.num_entries_per_layer[layer]
-        # int32 arithmetic when every row number fits (it does for any table that fits in memory):
-        # no widening pass, half the index traffic; wrapped values of invalid ids are masked below.
-        ids = ids.to(self._index_dtype)
-        valid = (ids >= 0) & (ids < self.num_ranks * n)
-        base = self.layout.table_offsets[layer] // self.layout.row_bytes
-        owner = torch.div(ids, n, rounding_mode="floor") if self.num_ranks > 1 else None
-        if owner is None:
-            rows = ids + base
-        else:
-            rows = (owner * (self._seg_rows - n)).add_(ids).add_(base)
-        rows = torch.where(valid, rows, self._zero_row)
-        torch.index_select(self._all_rows, 0, rows, out=out_rows.view(self._table_word))
-        if sf_rows is not None:
-            sf_base = self.layout.sf_offsets[layer] // self.layout.sf_row_bytes
-            if owner is None:
-                srows = ids + sf_base
-            else:
-                srows = (owner * (self._seg_sf_rows - n)).add_(ids).add_(sf_base)
-            srows = torch.where(valid, srows, self._zero_sf_row)
-            torch.index_select(self._all_sfs, 0, srows, out=sf_rows.view(self._sf_word))
-
-    def _gather_grouped(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
-        # Host-synchronous (CPU only): select each peer's rows once, scatter them to their positions.
-        valid, owner, local = self._route(layer, ids)
-        out_rows[~valid] = 0
-        if sf_rows is not None:
-            sf_rows[~valid] = 0
-        for peer in range(self.num_ranks):
-            positions = torch.nonzero(valid & (owner == peer)).squeeze(1)
-            if positions.numel() == 0:
-                continue
-            rows = local.index_select(0, positions)
-            out_rows.index_copy_(0, positions, self._tables[peer][layer].index_select(0, rows))
-            if sf_rows is not None:
-                sf_rows.index_copy_(0, positions, self._sfs[peer][layer].index_select(0, rows))
-
-    def _gather_fixed_shape(self, layer: int, ids: torch.Tensor, out_rows: torch.Tensor, sf_rows: torch.Tensor | None) -> None:
-        # CUDA without one address space: fixed shapes only (no host sync, graph-capturable).
-        n = self.num_entries_per_layer[layer]
-        ids = ids.to(torch.int64)
-        valid = (ids >= 0) & (ids < self.num_ranks * n)
-        safe = torch.where(valid, ids, 0)
-        owner = torch.div(safe, n, rounding_mode="floor")
-        local = safe - owner * n
-        k = ids.numel()
-        # Position of id i in the stack: its owner's slice (invalid ids: rank 0's slice, which holds the zero row there).
-        pick = torch.arange(k, device=ids.device).add_(owner * k)
-        base = self.layout.table_offsets[layer] // self.layout.row_bytes
-        self._stacked_gather(self._peer_rows, local + base, valid, owner, self._table_zero_row, pick, out_rows.view(self._table_word))
-        if sf_rows is not None:
-            sf_base = self.layout.sf_offsets[layer] // self.layout.sf_row_bytes
-            self._stacked_gather(self._peer_sf_rows, local + sf_base, valid, owner, self._sf_zero_row, pick, sf_rows.view(self._sf_word))
-
-    @staticmethod
-    def _stacked_gather(
-        views: Sequence[torch.Tensor], rows: torch.Tensor, valid: torch.Tensor, owner: torch.Tensor, zero_row: int, pick: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        """out[i] = views[owner[i]][rows[i]] if valid[i] else views[0][zero_row], with fixed shapes only."""
-        k, width = out.shape
-        stack = torch.empty((len(views), k, width), dtype=out.dtype, device=out.device)
-        for peer, view in enumerate(views):
-            mine = valid & (owner == peer)
-            torch.index_select(view, 0, torch.where(mine, rows, zero_row), out=stack[peer])
-        torch.index_select(stack.view(len(views) * k, width), 0, pick, out=out)
+        return [make_hook(r) for r in results]
 
     # ----- row access for the host-side group (no collectives; writes go straight to the owner's shard) -----
 
@@ -624,6 +473,27 @@ class LocalEngramBuffer:
         table = self._tables[rank][layer].view(self.dtype).view(self.num_entries_per_layer[layer], self.hidden)
         sf = self._sfs[rank][layer].view(self.sf_dtype).view(self.num_entries_per_layer[layer], self.num_sf_packs) if self.use_fp8 else None
         return table, sf
+
+    def gather_layers(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer's rows in one pass: global ids [layers, n] (negative or past a layer: zero rows and
+        zero scales) -> (table dtype [layers, n, hidden], scale dtype [layers, n, packs] or None). Triton:
+        one launch for all layers; CPU shared memory: one select over every shard; else one gather per layer."""
+        self._check_alive()
+        layers, n = indices.shape
+        if layers != self.num_layers:
+            raise ValueError(f"indices cover {layers} layers, the buffer has {self.num_layers}")
+        out = torch.empty((layers, n, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
+        sf = torch.empty((layers, n, self.layout.sf_row_bytes), dtype=torch.uint8, device=self.device) if self.use_fp8 else None
+        ids = indices.to(self.device)
+        if n and self.gather_mode == "triton":
+            self._launch(ids.contiguous(), self._meta, out, sf, 1, (n * self.num_sf_packs, self.num_sf_packs, 1))
+        elif n and self.gather_mode == "unified":
+            self._gather_unified(None, ids, out, sf)
+        elif n:
+            for layer in range(layers):
+                self._gather(layer, ids[layer], out[layer], sf[layer] if sf is not None else None)
+        data = out.view(self.dtype).view(layers, n, self.hidden)
+        return data, (sf.view(self.sf_dtype).view(layers, n, self.num_sf_packs) if sf is not None else None)
 
     def read_global_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Valid global ids int64 [k] -> (table dtype [k, hidden], scales [k, packs] or None)."""

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .store import RowStore
+from .rows import RowStore
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ import torch
 from . import ue8m0
 from .allocators import reserve_segment
 from .table_file import TableFileError
-from .store import (
+from .rows import (
     check_buffer_indices,
     check_buffer_storages,
     check_fetch_indices,
@@ -59,25 +59,19 @@ from .store import (
     decode_checked,
     encode_rows,
     last_occurrence,
+    make_hook,
+    table_bytes,
+    word_dtype,
 )
 
 logger = logging.getLogger(__name__)
 
-PLACEMENTS = ("device", "host", "auto")
 _SHM_DIR = "/dev/shm"
 _MADV_NORMAL, _MADV_RANDOM = 0, 1
 _READ_TRIES = 3
 # A fetch of at most this many rows of a mapped file first asks the kernel to read them all at once
 # (prompt-sized lookups on a cold file: one parallel batch of disk reads instead of one fault at a time).
 _WILLNEED_MAX_ROWS = 16384
-
-
-def _word_dtype(*sizes: int) -> torch.dtype:
-    """Widest integer type dividing every size (row widths and byte offsets)."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if all(s % dtype.itemsize == 0 for s in sizes):
-            return dtype
-    return torch.uint8
 
 
 def _advise(t: torch.Tensor, advice: int) -> None:
@@ -92,22 +86,6 @@ def _advise(t: torch.Tensor, advice: int) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
     except (OSError, AttributeError):  # not Linux: read-ahead stays on, nothing else changes
         pass
-
-
-def table_bytes(rows_per_layer: Sequence[int], hidden: int, table_dtype: torch.dtype) -> int:
-    """Bytes of a memory's rows and scales."""
-    packs = ue8m0.num_sf_packs(hidden) if table_dtype == torch.float8_e4m3fn else 0
-    return sum(int(n) for n in rows_per_layer) * (hidden * table_dtype.itemsize + packs * 4)
-
-
-def choose_placement(placement: str, num_bytes: int, free_bytes: int | None) -> str:
-    """"device" or "host" for a memory of `num_bytes`: `auto` picks the device when the table takes at
-    most half of the device memory that is free (`free_bytes`; None = unknown, which counts as fitting)."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    if placement != "auto":
-        return placement
-    return "device" if free_bytes is None or num_bytes <= free_bytes // 2 else "host"
 
 
 class _SeqLock:
@@ -175,8 +153,8 @@ class HostTable:
         self.tables = [region(o, n, self.row_bytes) for o, n in zip(table_offsets, self.rows_per_layer)]
         self.scales = [region(o, n, self.sf_row_bytes) for o, n in zip(sf_offsets, self.rows_per_layer)] if sf_offsets is not None else None
         # Word views for the gathers: rows move as int64 words where row width and offset allow.
-        self.table_words = [t.view(_word_dtype(self.row_bytes, o)) for t, o in zip(self.tables, table_offsets)]
-        self.sf_words = [s.view(_word_dtype(self.sf_row_bytes, o)) for s, o in zip(self.scales, sf_offsets)] if self.scales is not None else None
+        self.table_words = [t.view(word_dtype(self.row_bytes, o)) for t, o in zip(self.tables, table_offsets)]
+        self.sf_words = [s.view(word_dtype(self.sf_row_bytes, o)) for s, o in zip(self.scales, sf_offsets)] if self.scales is not None else None
 
     # ----- construction -----
 
@@ -334,17 +312,6 @@ def _segment(size: int) -> torch.Tensor:
         os.unlink(path)
 
 
-def _make_hook(result: object, event: Any = None, device: torch.device | None = None) -> Callable[[], object]:
-    """A fetch's hook: returns the layer's result; on CUDA the calling stream first waits for the copy."""
-
-    def hook() -> object:
-        if event is not None:
-            torch.cuda.current_stream(device).wait_event(event)
-        return result
-
-    return hook
-
-
 class HostEngramBuffer:
     """The `LocalEngramBuffer` contract served from a HostTable (one rank holding every row).
 
@@ -491,16 +458,16 @@ class HostEngramBuffer:
                 results.append((data[layer], sf_backing.as_strided((num_tokens, sf_width), sf_strides, layer * sf_layer_stride)))
             else:
                 results.append(data[layer])
-        return [_make_hook(r, event, self.device) for r in results]
+        return [make_hook(r, event, self.device) for r in results]
 
 
 class HostRowStore:
     """A memory's tables on the host tier (a `RowStore`; see the module docstring)."""
 
-    placement = "host"
-
     def __init__(self, table: HostTable) -> None:
         self._table = table
+        # where the rows live and why (a placement.Placement), set by placement.make_store; None when made directly
+        self.placement = None
         self.rows_per_layer = list(table.rows_per_layer)
         self.num_layers = table.num_layers
         self.hidden = table.hidden

@@ -19,7 +19,6 @@ import errno
 import json
 import os
 import shutil
-import secrets
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +27,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import ue8m0
-from .sysinfo import gib_text, kib_fields
+from .errors import TableFileError, TableFileWriteError
+from ..common.files import new_temp_file
+from ..common.proc import kib_fields, overcommit_mode
+from ..common.sizes import size_text as gib_text
 
 FORMAT_NAME = "fp8-engram-table"
 FORMAT_VERSION = "1"
@@ -40,15 +42,6 @@ _WRITE_CHUNK_BYTES = 64 << 20
 
 # A table file's metadata is a few KB of JSON; anything far larger is not one of ours.
 MAX_METADATA_JSON_BYTES = 16 * 1024 * 1024
-
-
-class TableFileError(ValueError):
-    """A table file that cannot be read or does not match what was expected (names the file and key)."""
-
-
-class TableFileWriteError(OSError):
-    """Writing a table file failed (disk full, I/O error). The message names the file and says that
-    nothing was left under its name; `errno` is the operating system's error number."""
 
 
 def _json_field(path: str, key: str, text: str | None, default: str = "null"):
@@ -85,14 +78,6 @@ def _write_tensor_bytes(f, t: torch.Tensor) -> int:
     for start in range(0, flat.numel(), _WRITE_CHUNK_BYTES):
         written += f.write(memoryview(flat[start : start + _WRITE_CHUNK_BYTES].numpy()))
     return written
-
-
-def _new_temp_file(folder: str, prefix: str, suffix: str) -> tuple[int, str]:
-    """A new file in `folder` with the mode of any new file (0666 less the umask, which the kernel
-    applies): mkstemp would make it 0600, and reading the umask to widen it means changing it
-    for every thread of the process meanwhile."""
-    tmp = os.path.join(folder, f"{prefix}{secrets.token_hex(8)}{suffix}")
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
 
 
 def write_table_file(
@@ -178,7 +163,7 @@ def write_table_file(
         raise TableFileWriteError(errno.ENOSPC, f"{path}: the table file needs {total / 2**20:,.2f} MiB but only "
                                   f"{free / 2**20:,.2f} MiB are free in {folder}; nothing was written")
     try:
-        fd, tmp = _new_temp_file(folder, ".tmp-", ".safetensors")
+        fd, tmp = new_temp_file(folder, ".tmp-", ".safetensors")
     except OSError as e:  # a read-only folder or filesystem, no permission: the message names the destination
         raise _cannot_create(path, folder, e, existed) from e
     written = 0
@@ -232,11 +217,7 @@ def map_room() -> tuple[int | None, str]:
 
     limits: list[tuple[int, str]] = []
     info = kib_fields("/proc/meminfo") or {}
-    try:
-        with open("/proc/sys/vm/overcommit_memory") as f:
-            mode = int(f.read().strip())
-    except (OSError, ValueError):
-        mode = None
+    mode = overcommit_mode()
     if mode == 0 and "MemTotal" in info:
         total = info["MemTotal"] + info.get("SwapTotal", 0)
         limits.append((total, f"this machine has {gib_text(info['MemTotal'])} of memory and {gib_text(info.get('SwapTotal', 0))} of swap"))

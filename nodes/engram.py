@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import sys
 import time
 
 import torch
@@ -21,243 +19,28 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
-from ..engram.allocators import ShardSharingError
-from ..engram.cuda_ipc import CudaIpcError
-from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES, EngramWorkerError
-from ..engram.host_tier import PLACEMENTS, HostRowStore, choose_placement, table_bytes
+from ..engram.group import CPU_TEMPLATE_BYTES, CPU_WORKER_BYTES
+from ..engram.host_tier import HostRowStore
 from ..engram.memory import EngramMemory, EngramMemoryError, config_from_table_file, make_config
-from ..engram.store import LocalRowStore
-from ..engram.streams import family_layout
+from ..engram.placement import PLACEMENTS, make_store, placement_text, resolve_tier
 from ..engram.table_file import TableFileError, TableFileWriteError  # noqa: F401 - loaded here so that plain_error_names() renames its errors
+from ..engram.pairs import read_pairs
 from . import CATEGORY, NODE_ID_PREFIX
-from .engram_live import SAVE_ADVICE, _adopt, _by_settings, _current_node_id, _live_memory, _problem, _replace_live, _serving
+from .engram_clip import bind, clip_layout, clip_tokenizers, encode, hit_report, tokenize
+from .engram_images import heat_map, loss_curve_image
+from .engram_inputs import FOLDER, device_free_bytes, engram_files, finite_conditioning, finite_input, inside_input, plain_error_names, worker_pids
+from .engram_live import LIVE, SAVE_ADVICE, current_node_id, problem, serving
 
 logger = logging.getLogger(__name__)
 
-# ----- plain error type names -----
-#
-# ComfyUI shows an error's type as `module.qualname` (execution.full_type_name, same in 0.3.75 and
-# 0.29), and it imports a custom node pack under its folder's PATH as the module name, so the pack's
-# own exceptions would read "/home/.../custom_nodes/fp8_engram.engram.group.EngramWorkerError". Their
-# module is renamed to the pack's name, which is all a user needs to see: "fp8_engram.EngramWorkerError".
-PACK_MODULE = "fp8_engram"
-_PACK_ROOT = __name__.rsplit(".", 2)[0]  # this module is <pack>.nodes.engram
-
-
-def plain_error_names(root: str = _PACK_ROOT, shown_as: str = PACK_MODULE) -> list[str]:
-    """Give every exception class defined in the pack's loaded modules the module name `shown_as`."""
-    renamed = []
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == root or name.startswith(root + ".")):
-            continue
-        for value in list(vars(module).values()):
-            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == name:
-                value.__module__ = shown_as
-                renamed.append(value.__qualname__)
-    return renamed
-
-
-plain_error_names()
+plain_error_names()  # after the imports above: every error class of the pack is loaded by now
 
 ENGRAM_CATEGORY = f"{CATEGORY}/engram"
 EngramMemoryType = io.Custom("ENGRAM_MEMORY")
-FOLDER = "engram"
-
-folder_paths.add_model_folder_path(FOLDER, os.path.join(folder_paths.models_dir, FOLDER), is_default=True)
-_paths, _exts = folder_paths.folder_names_and_paths[FOLDER]
-folder_paths.folder_names_and_paths[FOLDER] = (_paths, set(_exts) | {".safetensors"})
-
 MEMORY_TOOLTIP = "An engram memory (from New Engram Memory or Load Engram Memory)."
-# The widget ranges of the float inputs, which the nodes also enforce (see _finite_input).
+# The widget ranges of the float inputs, which the nodes also enforce (see engram_inputs.finite_input).
 STRENGTH_RANGE = (-10.0, 10.0)
 LEARNING_RATE_RANGE = (1e-5, 10.0)
-
-# ----- CLIP adaptation (the only place that knows ComfyUI's tokenizer objects) -----
-
-_TOKENIZER_ATTRS = {"l": "clip_l", "g": "clip_g", "t5xxl": "t5xxl"}
-_FAMILY_BY_KEYS = {
-    frozenset({"l"}): "sd1",
-    frozenset({"l", "g"}): "sdxl",
-    frozenset({"l", "g", "t5xxl"}): "sd3",
-    frozenset({"l", "t5xxl"}): "flux",
-}
-
-
-def _clip_tokenizers(clip) -> dict:
-    """token key -> the transformers tokenizer inside ComfyUI's SDTokenizer."""
-    out = {}
-    for key, attr in _TOKENIZER_ATTRS.items():
-        sd_tokenizer = getattr(clip.tokenizer, attr, None)
-        inner = getattr(sd_tokenizer, "tokenizer", None)
-        if inner is not None:
-            out[key] = inner
-    return out
-
-
-def _clip_layout(clip):
-    keys = frozenset(clip.tokenize("a").keys())
-    family = _FAMILY_BY_KEYS.get(keys)
-    if family is None:
-        raise EngramMemoryError(
-            f"this CLIP's tokenizers {sorted(keys)} are not an SD1, SDXL, SD3 or Flux text encoder; engram memory supports those"
-        )
-    model = clip.cond_stage_model
-    names = family_layout(family).names
-    present = [n for n in names if getattr(model, n, None) is not None]
-    if not present:
-        raise EngramMemoryError(f"this {family} CLIP has none of the text encoders {names} loaded")
-    widths = {}
-    for name in present:
-        try:
-            widths[name] = int(getattr(model, name).transformer.get_input_embeddings().weight.shape[1])
-        except Exception:  # unknown encoder internals: keep ComfyUI's standard width
-            pass
-    return family_layout(family, encoders=present, widths=widths)
-
-
-def _tokenize(clip, text: str) -> dict:
-    return clip.tokenize(text, return_word_ids=True)
-
-
-def _strip_word_ids(tokens: dict) -> dict:
-    return {k: [[tuple(item[:2]) for item in chunk] for chunk in v] for k, v in tokens.items()}
-
-
-def _encode(clip, tokens: dict) -> list:
-    return clip.encode_from_tokens_scheduled(_strip_word_ids(tokens))
-
-
-def _check_clip_type(memory: EngramMemory, clip) -> None:
-    """Refuse a CLIP of another type than the memory's (its tokenizers may be the same, e.g. CLIP-L in
-    SD1 and SD3, yet its conditioning is laid out otherwise), or one without an encoder the memory needs."""
-    layout = _clip_layout(clip)
-    want = memory.config.layout
-    if layout.family != want.family:
-        raise EngramMemoryError(f"this memory was made for {want.family.upper()} text encoders, but the CLIP given is "
-                                f"{layout.family.upper()}; use the CLIP the memory was made with (or a memory made for this one)")
-    have = {s.name: s.width for s in layout.streams}
-    missing = [s.name for s in want.streams if s.name not in have]
-    if missing:
-        raise EngramMemoryError(f"this memory needs the text encoder(s) {missing}, which this {layout.family.upper()} CLIP has not loaded")
-    wrong = [f"{s.name} ({have[s.name]} wide, the memory's is {s.width})" for s in want.streams if have[s.name] != s.width]
-    if wrong:
-        raise EngramMemoryError(f"this CLIP's encoders differ from the memory's: {', '.join(wrong)}")
-
-
-def _bind(memory: EngramMemory, clip) -> None:
-    _check_clip_type(memory, clip)
-    memory.bind_tokenizers(_clip_tokenizers(clip))
-    # For nodes given no CLIP (Engram Apply): the last CLIP this memory was used with in this session.
-    memory.host_clip = clip
-    memory.host_clip_tokenize = lambda text: _tokenize(clip, text)
-
-
-def cuda_rank_devices(gpu_ranks: int, device_count: int) -> list[int]:
-    """The GPU of every CUDA rank: `gpu_ranks` = 0 gives one rank per GPU; N > 0 gives N ranks spread
-    round-robin over the GPUs (rank r on GPU r % device_count, as EngramGroup places them), so several
-    ranks may share one GPU."""
-    if device_count < 1:
-        raise ValueError("no CUDA GPU to place engram ranks on")
-    if isinstance(gpu_ranks, bool) or not isinstance(gpu_ranks, int) or gpu_ranks < 0:
-        raise ValueError(f"gpu_ranks must be 0 (one rank per GPU) or a positive number of ranks, got {gpu_ranks!r}")
-    count = gpu_ranks if gpu_ranks > 0 else device_count
-    return [r % device_count for r in range(count)]
-
-
-def _device_free_bytes(devices: str) -> int:
-    """Free memory where `device` placement would put the tables: every GPU's, or the machine's RAM."""
-    if devices == "auto" and torch.cuda.is_available():
-        return sum(int(comfy.model_management.get_free_memory(torch.device("cuda", i))) for i in range(torch.cuda.device_count()))
-    return int(comfy.model_management.get_free_memory(torch.device("cpu")))
-
-
-def _resolve_placement(placement: str, rows_per_layer: list[int], hidden: int, dtype: torch.dtype, devices: str) -> str:
-    """"device" or "host" (auto: the device when the tables take at most half of its free memory)."""
-    if placement != "auto":
-        return choose_placement(placement, 0, None)
-    return choose_placement("auto", table_bytes(rows_per_layer, hidden, dtype), _device_free_bytes(devices))
-
-
-def _placement_text(memory: EngramMemory) -> str:
-    """One line for a node's summary: where the memory's rows live."""
-    store = memory.store
-    size = table_bytes(store.rows_per_layer, store.hidden, store.table_dtype) / 2**30
-    if isinstance(store, HostRowStore):
-        where = (f"the table file mapped read-only ({os.path.basename(store.source)}), shared by every process that loads it"
-                 if store.source else "a shared-memory segment")
-        text = f"placement: host ({size:.2f} GiB in {where}; fetched rows are paged in)"
-        fell_back = getattr(store, "fell_back_from", None)
-        return f"{text}\n  instead of {fell_back}" if fell_back else text
-    ranks = getattr(store, "num_ranks", 1)
-    device = getattr(store, "device", "cpu")
-    return f"placement: device ({size:.2f} GiB over {ranks} {str(device).split(':')[0].upper()} rank(s))"
-
-
-def _new_host_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype) -> HostRowStore:
-    from ..engram.group import check_cpu_memory
-
-    # a new host-tier memory is a shared-memory segment: RAM, refused like CPU ranks when it cannot fit
-    # (its pages would be allocated by the first writes, and a full segment kills the process)
-    check_cpu_memory(1, table_bytes(rows_per_layer_fn(1), hidden, dtype), subject="a host-memory table (shared-memory segment)")
-    return HostRowStore.new(rows_per_layer_fn(1), hidden, dtype)
-
-
-def sharing_failed(error: BaseException, cuda: bool) -> bool:
-    """Whether a device group failed to start because its ranks could not share their shards: a failed
-    start check or IPC exchange (ShardSharingError) anywhere in the error's chain (a worker whose shard
-    could not be shared reports it as one, see engram/worker.py); for CUDA ranks also a failed driver call
-    for the shard memory (CudaIpcError). A worker that crashed, froze, timed out or failed otherwise is
-    no sharing failure, on CUDA as on the CPU: its error stands."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, ShardSharingError) or (cuda and isinstance(error, CudaIpcError)):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _group_or_host(start, ranks: int, kind: str, host, name: str | None = None):
-    """`start()`'s device group; when its ranks could not share their shards, the host tier (`host()`)
-    instead, marked with why (the summary says it), so the prompt goes on. A worker that failed
-    otherwise fails the node with an EngramWorkerError naming the memory (`name`) and the rank."""
-    try:
-        return start()
-    except Exception as e:
-        if not sharing_failed(e, kind == "CUDA"):
-            if isinstance(e, EngramWorkerError) and name is not None:
-                raise EngramWorkerError(f"{name} could not start its {ranks} {kind} rank(s): {e}", e.rank, e.exitcode, e.state) from e
-            raise
-        reason = f"{ranks} {kind} rank(s): {e}"
-        logger.warning("engram: the memory could not be sharded over %s; it is on the host tier instead", reason)
-        store = host()
-        store.fell_back_from = reason
-        return store
-
-
-def _make_store(rows_per_layer_fn, hidden: int, dtype: torch.dtype, devices: str, cpu_ranks: int, gpu_ranks: int = 0,
-                placement: str = "device", host=None, name: str | None = None):
-    """The memory's RowStore. `host`: what serves it when a group's ranks cannot share their shards (a
-    new shared-memory segment by default; Load passes the table file mapped). `name`: the memory, as
-    errors name it."""
-    host = host or (lambda: _new_host_store(rows_per_layer_fn, hidden, dtype))
-    if placement == "host":
-        return _new_host_store(rows_per_layer_fn, hidden, dtype)
-    if devices == "auto" and torch.cuda.is_available():
-        from ..engram.group import EngramGroup
-
-        ranks = len(cuda_rank_devices(gpu_ranks, torch.cuda.device_count()))
-        return _group_or_host(lambda: EngramGroup(rows_per_layer_fn(ranks), hidden, dtype, num_ranks=ranks, device="cuda"),
-                              ranks, "CUDA", host, name)
-    from ..engram.group import EngramGroup, check_cpu_memory
-
-    # Refused, with the figures, before anything is allocated or started (EngramGroup checks too).
-    check_cpu_memory(cpu_ranks, EngramGroup.table_bytes(rows_per_layer_fn(cpu_ranks), hidden, dtype))
-    if cpu_ranks == 1:
-        return LocalRowStore(rows_per_layer_fn(1), hidden, dtype)
-    return _group_or_host(lambda: EngramGroup(rows_per_layer_fn(cpu_ranks), hidden, dtype, num_ranks=cpu_ranks, device="cpu"),
-                          cpu_ranks, "CPU", host, name)
-
 
 _GPU_RANKS_TOOLTIP = ("CUDA processes holding the shards when devices = auto finds a GPU. 0: one per GPU. N: N processes "
                       "spread round-robin over the GPUs (rank r on GPU r mod GPU count), so several can share one GPU. "
@@ -320,12 +103,12 @@ class NewEngramMemory(io.ComfyNode):
         # be served from ComfyUI's cache either: run again to build a new one.
         gpu_ranks = gpu_ranks or 0  # absent (a graph saved before the input existed) is the default
         settings = _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks, placement or "auto")
-        memory = _by_settings.get((_current_node_id(), settings))
+        memory = LIVE.made_with(current_node_id(), settings)
         if memory is None:
             return "clean"
-        if _problem(memory) is not None:
+        if problem(memory) is not None:
             return f"rebuild {memory.uid}"
-        if memory.version != getattr(memory, "clean_version", memory.version):
+        if LIVE.written_since_made(memory):
             return f"written {memory.uid} {memory.version}"
         return "clean"
 
@@ -334,10 +117,11 @@ class NewEngramMemory(io.ComfyNode):
         node_id = cls.hidden.unique_id
         gpu_ranks = gpu_ranks or 0
         requested = placement or "auto"
-        layout = _clip_layout(clip)
-        tokenizers = _clip_tokenizers(clip)
+        layout = clip_layout(clip)
+        tokenizers = clip_tokenizers(clip)
         config, vocabs = make_config(layout, tokenizers, max_order=max_order, heads=heads, rows_per_head=rows_per_head, seed=seed, gate=context_gate)
-        placement = _resolve_placement(requested, config.rows_per_layer(1), config.hidden, _DTYPES[dtype], devices)
+        placement, why = resolve_tier(requested, config.rows_per_layer(1), config.hidden, _DTYPES[dtype],
+                                      lambda: device_free_bytes(devices))
         key = ("new", config.to_metadata().__repr__(), dtype, devices, cpu_ranks, gpu_ranks, placement)
 
         def wrap(store, state=None):
@@ -345,11 +129,11 @@ class NewEngramMemory(io.ComfyNode):
             if state is not None:  # tables taken back from a parked memory, with what was written into them
                 memory.state = state
             memory.name = f"the memory of New Engram Memory (node {node_id})"
-            return _adopt(memory, node_id, key)
+            return LIVE.adopt(memory, node_id, key)
 
         def make():
-            store = _make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks, placement,
-                                name=f"the memory of New Engram Memory (node {node_id})")
+            store = make_store(config.rows_per_layer, config.hidden, _DTYPES[dtype], devices, cpu_ranks, gpu_ranks, placement,
+                               name=f"the memory of New Engram Memory (node {node_id})", reason=why)
             try:
                 # A cancel that arrived while the tables were built: drop them (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
@@ -361,29 +145,18 @@ class NewEngramMemory(io.ComfyNode):
         def reuse(m):
             m.clear()
 
-        memory, lost = _replace_live(node_id, key, make, reuse, wrap)
-        memory.clean_version = memory.version
-        _by_settings[(str(node_id), _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks, requested))] = memory
-        _bind(memory, clip)
-        text = f"{memory!r}\n{_placement_text(memory)}"
+        memory, lost = LIVE.replace(node_id, key, make, reuse, wrap)
+        LIVE.notes(memory).clean_version = memory.version
+        LIVE.remember_settings(node_id, _settings(max_order, heads, rows_per_head, dtype, devices, cpu_ranks, context_gate, seed, gpu_ranks, requested), memory)
+        bind(memory, clip)
+        text = f"{memory!r}\n{placement_text(memory.store)}"
         if lost is not None and lost.startswith("lost"):
             logger.warning("engram: the memory of New Engram Memory (node %s) was %s; made a new empty one", node_id, lost)
             text = (f"The previous memory of this node was {lost}; this is a new empty memory, and what was written "
                     f"into the old one is gone. {SAVE_ADVICE}\n{text}")
         elif lost is not None:
             text = f"Made again (the previous memory was {lost}).\n{text}"
-        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": _worker_pids(memory)})
-
-
-def _worker_pids(memory: EngramMemory) -> list[int]:
-    pids = getattr(memory.store, "worker_pids", None)  # EngramGroup: a property
-    if callable(pids):
-        pids = pids()
-    return [int(p) for p in pids] if pids else []
-
-
-def _engram_files() -> list[str]:
-    return folder_paths.get_filename_list(FOLDER)
+        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": worker_pids(memory)})
 
 
 class LoadEngramMemory(io.ComfyNode):
@@ -397,7 +170,7 @@ class LoadEngramMemory(io.ComfyNode):
             "Runs again (reloading the file) when the memory was written since (Memorize, Train), and rebuilds "
             "it from the file when a worker process died.",
             inputs=[
-                io.Combo.Input("memory_name", options=_engram_files(), tooltip="A table file in models/engram (written by Save Engram Memory)."),
+                io.Combo.Input("memory_name", options=engram_files(), tooltip="A table file in models/engram (written by Save Engram Memory)."),
                 io.Combo.Input("devices", options=["auto", "cpu"], default="auto", tooltip=_DEVICES_TOOLTIP),
                 io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip=_CPU_RANKS_TOOLTIP),
                 io.Int.Input("gpu_ranks", default=0, min=0, max=64, optional=True, tooltip=_GPU_RANKS_TOOLTIP),
@@ -414,14 +187,14 @@ class LoadEngramMemory(io.ComfyNode):
         if not path or not os.path.exists(path):
             return float("nan")
         mtime = os.path.getmtime(path)
-        live = _live_memory(_current_node_id())
+        live = LIVE.memory_of(current_node_id())
         settings = (path, mtime, devices, cpu_ranks, gpu_ranks or 0, placement or "auto")
-        memory = live if live is not None and getattr(live, "load_settings", None) == settings else None
+        memory = live if live is not None and LIVE.notes(live).load_settings == settings else None
         if memory is None:
             return mtime
-        if _problem(memory) is not None:
+        if problem(memory) is not None:
             return f"{mtime} rebuild {memory.uid}"
-        if memory.version != getattr(memory, "clean_version", memory.version):
+        if LIVE.written_since_made(memory):
             return f"{mtime} written {memory.uid} {memory.version}"  # reload: the file, not what was written since
         return mtime
 
@@ -435,7 +208,7 @@ class LoadEngramMemory(io.ComfyNode):
         dtype = torch.float8_e4m3fn if geometry.get("dtype") == "float8_e4m3fn" else torch.bfloat16
         needed = config.rows_per_layer(1)  # the rows the hashing addresses (a file may be padded past them)
         rows = [int(n) for n in geometry.get("rows_per_layer") or needed]
-        placement = _resolve_placement(requested, rows, config.hidden, dtype, devices)
+        placement, why = resolve_tier(requested, rows, config.hidden, dtype, lambda: device_free_bytes(devices))
         mtime = os.path.getmtime(path)
         key = ("load", path, mtime, devices, cpu_ranks, gpu_ranks, placement)
 
@@ -446,15 +219,13 @@ class LoadEngramMemory(io.ComfyNode):
             memory.mark_untracked()
             memory.name = f"the memory {memory_name}"
             memory.source = path
-            memory.load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
-            return _adopt(memory, node_id, key)
+            LIVE.notes(memory).load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
+            return LIVE.adopt(memory, node_id, key)
 
         def make():
-            if placement == "host":  # mapped, not read: the store is ready at once
-                store = HostRowStore.from_table_file(path)
-            else:
-                store = _make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks,
-                                    host=lambda: HostRowStore.from_table_file(path), name=f"the memory {memory_name}")
+            # on the host tier the file is mapped, not read: the store is ready at once
+            store = make_store(config.rows_per_layer, config.hidden, dtype, devices, cpu_ranks, gpu_ranks, placement,
+                               host=lambda: HostRowStore.from_table_file(path), name=f"the memory {memory_name}", reason=why)
             try:
                 # A cancel before or during the load: drop the tables (below) rather than hand them on.
                 comfy.model_management.throw_exception_if_processing_interrupted()
@@ -473,19 +244,19 @@ class LoadEngramMemory(io.ComfyNode):
             memory.version += 1
             comfy.model_management.throw_exception_if_processing_interrupted()
 
-        memory, lost = _replace_live(node_id, key, make, reload, wrap)
-        memory.clean_version = memory.version
-        memory.load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
+        memory, lost = LIVE.replace(node_id, key, make, reload, wrap)
+        LIVE.notes(memory).clean_version = memory.version
+        LIVE.notes(memory).load_settings = (path, mtime, devices, cpu_ranks, gpu_ranks, requested)
         if clip is not None:
-            with _serving("Load Engram Memory", memory):
-                _bind(memory, clip)
-        text = f"{memory_name}: {memory!r}\n{_placement_text(memory)}"
+            with serving("Load Engram Memory", memory):
+                bind(memory, clip)
+        text = f"{memory_name}: {memory!r}\n{placement_text(memory.store)}"
         if lost is not None and lost.startswith("lost"):
             logger.warning("engram: the memory from %s was %s; rebuilt it from the file", memory_name, lost)
             text = f"Rebuilt from {memory_name}: the previous memory was {lost}.\n{text}"
         elif lost is not None:
             text = f"Loaded again from {memory_name} (the previous memory was {lost}).\n{text}"
-        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": _worker_pids(memory)})
+        return io.NodeOutput(memory, ui={"text": [text], "worker_pids": worker_pids(memory)})
 
 
 class SaveEngramMemory(io.ComfyNode):
@@ -521,59 +292,11 @@ class SaveEngramMemory(io.ComfyNode):
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, name)
         try:
-            with _serving("Save Engram Memory", memory):
+            with serving("Save Engram Memory", memory):
                 memory.save(path)
         except TableFileWriteError as exc:  # a read-only folder, a full disk: the input and the file named
             raise TableFileWriteError(exc.errno, f"Save Engram Memory: name {name!r} could not be saved: {exc.strerror}") from exc
-        memory.saved_to = path
         return io.NodeOutput(memory, ui={"text": [f"saved {path} (version {memory.version})"]})
-
-
-def _hit_report(memory: EngramMemory, tokens: dict, clip=None, looked_up: tuple | None = None) -> dict:
-    """UI data for the frontend: per stream, every word of the prompt, whether it hit written rows, and
-    how strongly (norm of the memory value added to it):
-    `engram_hits = [{stream, tokens: [{text, hit, strength, entries_hit, entries, row}]}]`."""
-    decoders = _clip_tokenizers(clip) if clip is not None else {}
-    token_key = {s.name: s.token_key for s in memory.config.layout.streams}
-    streams: dict[str, list[dict]] = {}
-    for h in memory.hits(tokens, looked_up):
-        tok = decoders.get(token_key[h.stream])
-        text = tok.decode([h.token_id]).strip() if tok is not None else str(h.token_id)
-        streams.setdefault(h.stream, []).append({
-            "text": text, "hit": h.entries_hit > 0, "strength": round(h.norm, 4),
-            "entries_hit": h.entries_hit, "entries": h.entries, "row": h.row,
-        })
-    hit_words = [t for entries in streams.values() for t in entries if t["hit"]]
-    summary = ", ".join(f"{t['text']} ({t['entries_hit']}/{t['entries']})" for t in hit_words)
-    return {
-        "engram_hits": [{"stream": name, "tokens": entries} for name, entries in streams.items()],
-        "text": [summary or "no stored n-gram in this prompt"],
-    }
-
-
-def _finite_input(node: str, name: str, value, low: float, high: float) -> float:
-    """A float input as a float, refused by name when it is not a finite number in [low, high].
-
-    ComfyUI's validation compares a FLOAT input with the widget's min and max, and every comparison
-    with NaN is false, so a raw JSON `NaN` in an API prompt reaches the node; it would turn every
-    conditioning value it touches into NaN without an error."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{node}: input '{name}' must be a number, got {value!r}") from None
-    if not math.isfinite(number) or not low <= number <= high:
-        raise ValueError(f"{node}: input '{name}' is {number!r}; give a finite number from {low:g} to {high:g}")
-    return number
-
-
-def _finite_conditioning(cond, what: str):
-    """`cond` (a CONDITIONING tensor), refused with an error naming `what` (the node and its input) when
-    it holds NaN or inf: written into the memory it would make every later prompt's conditioning NaN."""
-    if isinstance(cond, torch.Tensor) and cond.is_floating_point() and not bool(torch.isfinite(cond).all()):
-        bad = int((~torch.isfinite(cond)).sum())
-        raise EngramMemoryError(f"{what} holds NaN or infinite values ({bad} of {cond.numel()}); nothing was written "
-                                "into the memory. Give a finite conditioning")
-    return cond
 
 
 def _apply_to_conditioning(conditioning: list, memory: EngramMemory, tokens: dict, strength: float, looked_up: tuple | None = None) -> list:
@@ -603,14 +326,14 @@ class EngramTextEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip, text, memory, strength) -> io.NodeOutput:
-        strength = _finite_input("Engram Text Encode", "strength", strength, *STRENGTH_RANGE)
-        with _serving("Engram Text Encode", memory):
-            _bind(memory, clip)
-            tokens = _tokenize(clip, text)
+        strength = finite_input("Engram Text Encode", "strength", strength, *STRENGTH_RANGE)
+        with serving("Engram Text Encode", memory):
+            bind(memory, clip)
+            tokens = tokenize(clip, text)
             # The rows each token reads follow from its id alone: look them up while the encoder runs.
-            conditioning, looked_up = memory.lookup_beside(tokens, lambda: _encode(clip, tokens))
+            conditioning, looked_up = memory.lookup_beside(tokens, lambda: encode(clip, tokens))
             out = _apply_to_conditioning(conditioning, memory, tokens, strength, looked_up)
-            ui = _hit_report(memory, tokens, clip, looked_up)
+            ui = hit_report(memory, tokens, clip, looked_up)
         return io.NodeOutput(out, ui=ui)
 
 
@@ -634,19 +357,19 @@ class EngramApply(io.ComfyNode):
 
     @classmethod
     def execute(cls, conditioning, text, memory, strength, clip=None) -> io.NodeOutput:
-        strength = _finite_input("Engram Apply", "strength", strength, *STRENGTH_RANGE)
-        with _serving("Engram Apply", memory):
+        strength = finite_input("Engram Apply", "strength", strength, *STRENGTH_RANGE)
+        with serving("Engram Apply", memory):
             if clip is not None:
-                _bind(memory, clip)
-            tokenize = getattr(memory, "host_clip_tokenize", None)
-            if tokenize is None:
+                bind(memory, clip)
+            host_clip = LIVE.notes(memory).clip
+            if host_clip is None:
                 raise EngramMemoryError("connect the CLIP: this memory has not met its tokenizer yet")
-            tokens = tokenize(text)
+            tokens = tokenize(host_clip, text)
             # The conditioning was encoded upstream (nothing left to hide the lookup behind): look up once,
             # for the injection and the hit report alike.
             looked_up = memory.values(tokens)
             out = _apply_to_conditioning(conditioning, memory, tokens, strength, looked_up)
-            ui = _hit_report(memory, tokens, clip if clip is not None else getattr(memory, "host_clip", None), looked_up)
+            ui = hit_report(memory, tokens, clip if clip is not None else host_clip, looked_up)
         return io.NodeOutput(out, ui=ui)
 
 
@@ -672,14 +395,14 @@ class EngramMemorize(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, text, target_text, target=None) -> io.NodeOutput:
-        with _serving("Engram Memorize", memory):
-            _bind(memory, clip)
-            tokens = _tokenize(clip, text)
-            base = _finite_conditioning(_encode(clip, tokens)[0][0], "Engram Memorize: the conditioning `clip` makes of input 'text'")
+        with serving("Engram Memorize", memory):
+            bind(memory, clip)
+            tokens = tokenize(clip, text)
+            base = finite_conditioning(encode(clip, tokens)[0][0], "Engram Memorize: the conditioning `clip` makes of input 'text'")
             if target is not None:
-                target_cond = _finite_conditioning(target[0][0], "Engram Memorize: input 'target' (the target conditioning)")
+                target_cond = finite_conditioning(target[0][0], "Engram Memorize: input 'target' (the target conditioning)")
             elif target_text.strip():
-                target_cond = _finite_conditioning(_encode(clip, _tokenize(clip, target_text))[0][0],
+                target_cond = finite_conditioning(encode(clip, tokenize(clip, target_text))[0][0],
                                                    "Engram Memorize: the conditioning `clip` makes of input 'target_text'")
             else:
                 raise EngramMemoryError("give a target: connect a target CONDITIONING or write a target_text")
@@ -688,136 +411,6 @@ class EngramMemorize(io.ComfyNode):
             raise EngramMemoryError(f"Engram Memorize: {text!r} has no n-gram to store; use a phrase of at least two tokens")
         summary = f"memorized {text!r}: {sum(written.values())} rows in {len(written)} stream(s), version {memory.version}"
         return io.NodeOutput(memory, ui={"text": [summary]})
-
-
-# What one line of a pairs file may hold. Prompts are text-encoder prompts: a few hundred characters
-# in practice; the bound keeps a runaway line (a whole book on one line) from being read, tokenized and
-# encoded whole, which would hold the server for minutes at gigabytes of memory.
-MAX_PAIR_TEXT_CHARS = 4096
-MAX_PAIR_LINE_BYTES = 64 * 1024
-_READ_CHECK_LINES = 256  # lines read between two looks at ComfyUI's cancel flag
-
-
-def _inside_input(name: str, what: str, relative_to: str | None = None) -> str:
-    """The real path of `name` inside ComfyUI's input folder (a name there, optionally with ComfyUI's
-    " [input]" annotation, or for files named by a pairs file, relative to that file's folder). Anything
-    that resolves outside the input folder (absolute paths, "..", symlinks that leave it) is refused
-    before it is opened, and so is anything but a regular file."""
-    base = os.path.realpath(folder_paths.get_input_directory())
-    plain, annotated_base = folder_paths.annotated_filepath(name.strip())
-    if annotated_base is not None and os.path.realpath(annotated_base) != base:
-        raise ValueError(f"{what} {name!r}: only files in ComfyUI's input folder can be used")
-    if "\0" in plain:
-        raise ValueError(f"{what} {name!r}: the name holds a NUL character")
-    start = base if relative_to is None else relative_to
-    path = os.path.realpath(os.path.join(start, plain)) if plain and not os.path.isabs(plain) else None
-    if path is None or os.path.commonpath([base, path]) != base:
-        raise ValueError(f"{what} {name!r} is not a file inside ComfyUI's input folder; put the file in the input "
-                         "folder and give its name there (absolute paths, '..' and links that leave the folder are refused)")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{what} {name!r} does not exist in ComfyUI's input folder")
-    if not os.path.isfile(path):
-        raise ValueError(f"{what} {name!r} is not a regular file")
-    return path
-
-
-def _pair_lines(f, cancel):
-    """(line number, bytes or None when the line is longer than MAX_PAIR_LINE_BYTES) for every line of
-    the binary file `f`; an overlong line is skipped in bounded pieces, never held whole."""
-    number = 0
-    while True:
-        line = f.readline(MAX_PAIR_LINE_BYTES + 1)
-        if not line:
-            return
-        number += 1
-        if number % _READ_CHECK_LINES == 0:
-            cancel()
-        if len(line) > MAX_PAIR_LINE_BYTES and not line.endswith(b"\n"):
-            while line and not line.endswith(b"\n"):  # the rest of the line, piece by piece
-                line = f.readline(1 << 20)
-                cancel()
-            yield number, None
-            continue
-        yield number, line
-
-
-def _read_pairs(path: str, cancel=lambda: None) -> list[dict]:
-    """Lines of a JSONL file: {"prompt": str, "target": str} or {"prompt": str, "target_conditioning": file}.
-    Streams the file; `cancel()` is called as it goes (it raises to stop)."""
-    pairs, errors, broken = [], [], 0
-
-    def broken_line(message: str) -> None:
-        nonlocal broken
-        broken += 1
-        if len(errors) < 20:
-            errors.append(message)
-
-    with open(path, "rb") as f:
-        for number, raw in _pair_lines(f, cancel):
-            if raw is None:
-                broken_line(f"line {number}: longer than {MAX_PAIR_LINE_BYTES // 1024} KiB (a pair's texts may hold "
-                            f"{MAX_PAIR_TEXT_CHARS} characters each)")
-                continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                broken_line(f"line {number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
-                continue
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                broken_line(f"line {number}: not JSON ({exc.msg})")
-                continue
-            except RecursionError:
-                broken_line(f"line {number}: JSON nested too deeply to read (a pair is one flat object)")
-                continue
-            except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
-                broken_line(f"line {number}: JSON this reader cannot take ({str(exc).split(';')[0]})")
-                continue
-            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-                broken_line(f"line {number}: needs a string \"prompt\"")
-                continue
-            if not isinstance(item.get("target"), str) and not isinstance(item.get("target_conditioning"), str):
-                broken_line(f"line {number}: needs a string \"target\" or \"target_conditioning\" (a .safetensors file with key \"cond\")")
-                continue
-            long = [k for k in ("prompt", "target") if isinstance(item.get(k), str) and len(item[k]) > MAX_PAIR_TEXT_CHARS]
-            if long:
-                broken_line(f"line {number}: \"{long[0]}\" has {len(item[long[0]])} characters, more than the "
-                            f"{MAX_PAIR_TEXT_CHARS} a pair may hold")
-                continue
-            item["line"] = number
-            pairs.append(item)
-    name = os.path.basename(path)
-    if broken:
-        more = f"; and {broken - len(errors)} more" if broken > len(errors) else ""
-        raise ValueError(f"{name}: {broken} broken line(s): " + "; ".join(errors) + more)
-    if not pairs:
-        raise ValueError(f"{name}: no training pairs")
-    return pairs
-
-
-def _loss_curve_image(losses: list[float], width: int = 512, height: int = 256) -> torch.Tensor:
-    """A plain line plot of log10(loss) per step as a ComfyUI IMAGE [1, H, W, 3]."""
-    image = torch.full((height, width, 3), 0.08)
-    if not losses:
-        return image.unsqueeze(0)
-    values = torch.tensor([math.log10(max(v, 1e-30)) for v in losses], dtype=torch.float64)
-    lo, hi = float(values.min()), float(values.max())
-    span = hi - lo if hi > lo else 1.0
-    margin = 12
-    xs = torch.linspace(margin, width - margin - 1, len(losses))
-    ys = (height - margin - 1) - (values - lo) / span * (height - 2 * margin - 1)
-    image[margin:height - margin, margin] = 0.5  # axes
-    image[height - margin - 1, margin:width - margin] = 0.5
-    for i in range(len(losses) - 1):  # draw segments densely enough to be continuous
-        n = max(2, int(abs(float(xs[i + 1] - xs[i])) + abs(float(ys[i + 1] - ys[i]))) + 1)
-        t = torch.linspace(0, 1, n, dtype=torch.float64)
-        px = (xs[i] + (xs[i + 1] - xs[i]) * t).round().long().clamp(0, width - 1)
-        py = (ys[i] + (ys[i + 1] - ys[i]) * t).round().long().clamp(0, height - 1)
-        image[py, px] = torch.tensor([0.95, 0.6, 0.1])
-    return image.unsqueeze(0)
 
 
 class EngramTrain(io.ComfyNode):
@@ -847,38 +440,38 @@ class EngramTrain(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, pairs_file, steps, learning_rate, batch_size, seed) -> io.NodeOutput:
-        learning_rate = _finite_input("Engram Train", "learning_rate", learning_rate, *LEARNING_RATE_RANGE)
-        path = _inside_input(pairs_file, "Engram Train: pairs_file")
+        learning_rate = finite_input("Engram Train", "learning_rate", learning_rate, *LEARNING_RATE_RANGE)
+        path = inside_input(pairs_file, "Engram Train: pairs_file")
         cancel = comfy.model_management.throw_exception_if_processing_interrupted
         try:
-            pairs = _read_pairs(path, cancel)
+            pairs = read_pairs(path, cancel)
         except ValueError as exc:
             raise ValueError(f"Engram Train: {exc}") from exc
-        with _serving("Engram Train", memory):
+        with serving("Engram Train", memory):
             return cls._train(memory, clip, path, pairs, steps, learning_rate, batch_size, seed)
 
     @classmethod
     def _train(cls, memory, clip, path, pairs, steps, learning_rate, batch_size, seed) -> io.NodeOutput:
-        _bind(memory, clip)
+        bind(memory, clip)
         name = os.path.basename(path)
         examples = []
         for item in pairs:
             comfy.model_management.throw_exception_if_processing_interrupted()
             line = f"Engram Train: {name} line {item['line']}"
-            tokens = _tokenize(clip, item["prompt"])
-            base = _finite_conditioning(_encode(clip, tokens)[0][0], f"{line}: the conditioning of \"prompt\"")
+            tokens = tokenize(clip, item["prompt"])
+            base = finite_conditioning(encode(clip, tokens)[0][0], f"{line}: the conditioning of \"prompt\"")
             if isinstance(item.get("target"), str):
-                target = _finite_conditioning(_encode(clip, _tokenize(clip, item["target"]))[0][0], f"{line}: the conditioning of \"target\"")
+                target = finite_conditioning(encode(clip, tokenize(clip, item["target"]))[0][0], f"{line}: the conditioning of \"target\"")
             else:
                 where = f"{line}: target_conditioning"
-                cond_path = _inside_input(item["target_conditioning"], where, relative_to=os.path.dirname(path))
+                cond_path = inside_input(item["target_conditioning"], where, relative_to=os.path.dirname(path))
                 try:
                     target = comfy.utils.load_torch_file(cond_path, safe_load=True)["cond"]
                 except Exception as exc:
                     raise ValueError(f"{where}: cannot read key 'cond' of {item['target_conditioning']}: {exc}") from exc
                 if target.dim() == 2:
                     target = target.unsqueeze(0)
-                _finite_conditioning(target, f"{where} {item['target_conditioning']!r} (key 'cond')")
+                finite_conditioning(target, f"{where} {item['target_conditioning']!r} (key 'cond')")
             # Each pair becomes its examples at once (only its streams' columns), so the whole CONDITIONING
             # of every pair is never held together.
             examples.extend(memory.examples([(tokens, base, target)]))
@@ -900,22 +493,7 @@ class EngramTrain(io.ComfyNode):
         result = memory.fit(examples, steps=steps, lr=learning_rate, batch_size=batch_size, seed=seed, progress=progress,
                             should_stop=should_stop, cancel=comfy.model_management.throw_exception_if_processing_interrupted)
         summary = f"trained {result.steps} steps on {len(pairs)} pairs: loss {result.losses[0]:.5g} -> {result.losses[-1]:.5g}" if result.losses else "nothing to train"
-        return io.NodeOutput(memory, _loss_curve_image(result.losses), ui={"text": [summary], "losses": result.losses})
-
-
-def _heat_map(hits, cell: int = 16) -> torch.Tensor:
-    streams = sorted({h.stream for h in hits})
-    if not hits:
-        return torch.zeros(1, cell, cell, 3)
-    rows = {s: [h for h in hits if h.stream == s] for s in streams}
-    width = max(len(v) for v in rows.values())
-    peak = max((h.norm for h in hits), default=0.0) or 1.0
-    image = torch.zeros(len(streams) * cell, width * cell, 3)
-    for r, s in enumerate(streams):
-        for c, h in enumerate(rows[s]):
-            level = h.norm / peak
-            image[r * cell + 1:(r + 1) * cell - 1, c * cell + 1:(c + 1) * cell - 1] = torch.tensor([level, 0.3 * level, 1.0 - level]) * (0.3 + 0.7 * h.entries_hit / max(h.entries, 1))
-    return image.unsqueeze(0)
+        return io.NodeOutput(memory, loss_curve_image(result.losses), ui={"text": [summary], "losses": result.losses})
 
 
 class EngramInspect(io.ComfyNode):
@@ -941,12 +519,12 @@ class EngramInspect(io.ComfyNode):
 
     @classmethod
     def execute(cls, memory, clip, text) -> io.NodeOutput:
-        with _serving("Engram Inspect", memory):
-            _bind(memory, clip)
-            tokens = _tokenize(clip, text)
+        with serving("Engram Inspect", memory):
+            bind(memory, clip)
+            tokens = tokenize(clip, text)
             hits = memory.hits(tokens)
-            ui = _hit_report(memory, tokens, clip)
-        tokenizers = _clip_tokenizers(clip)
+            ui = hit_report(memory, tokens, clip)
+        tokenizers = clip_tokenizers(clip)
         by_stream = {s.name: s.token_key for s in memory.config.layout.streams}
         lines = [f"{memory!r}"]
         for h in hits:
@@ -954,7 +532,7 @@ class EngramInspect(io.ComfyNode):
             lines.append(f"{h.stream} row {h.row:4d} {word!r:>16}: {h.entries_hit}/{h.entries} entries, |v| = {h.norm:.4g}")
         report = "\n".join(lines)
         ui["text"] = [report]
-        return io.NodeOutput(_heat_map(hits), report, ui=ui)
+        return io.NodeOutput(heat_map(hits), report, ui=ui)
 
 
 class ConditioningSimilarity(io.ComfyNode):

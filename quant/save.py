@@ -37,13 +37,13 @@ import math
 import os
 import re
 import shutil
-import secrets
 import struct
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
+from ..common.files import new_temp_file
 from .layouts import awq, is_layout, mxfp8, nvfp4, svdquant
 from .layouts import comfy_int8
 from .safetensors_file import ST_NAMES
@@ -227,7 +227,7 @@ def write_safetensors(path, entries: list[tuple[str, torch.dtype, tuple[int, ...
         raise SaveError(errno.ENOSPC, f"{path}: the file needs {total / 2**20:,.2f} MiB but only {free / 2**20:,.2f} MiB "
                         f"are free in {folder}; nothing was written")
     try:
-        fd, tmp = _new_temp_file(folder, f".{os.path.basename(path)}.", ".tmp")
+        fd, tmp = new_temp_file(folder, f".{os.path.basename(path)}.", ".tmp")
     except OSError as exc:  # e.g. a name too long for the file system
         raise _write_failed(path, exc, 0, total, existed) from exc
     written = 0
@@ -269,14 +269,6 @@ def write_safetensors(path, entries: list[tuple[str, torch.dtype, tuple[int, ...
             pass
     _fsync_dir(folder)
     return os.path.getsize(path)
-
-
-def _new_temp_file(folder: str, prefix: str, suffix: str) -> tuple[int, str]:
-    """A new file in `folder` with the mode of any new file (0666 less the umask, which the kernel
-    applies): mkstemp would make it 0600, and reading the umask to widen it means changing it
-    for every thread of the process meanwhile."""
-    tmp = os.path.join(folder, f"{prefix}{secrets.token_hex(8)}{suffix}")
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
 
 
 @dataclass

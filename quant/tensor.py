@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_map
 
+from ..common.fingerprint import source_digest
 from .config import ComputeConfig
 from .errors import QuantizationError
 from .kernels.ops import kernel_entry_points
@@ -57,12 +58,7 @@ def _contiguous_strides(shape) -> tuple:
 @functools.lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
     """sha256 of the source of this package (quant/ and its kernels), read once per process."""
-    h = hashlib.sha256()
-    root = Path(__file__).resolve().parent
-    for path in sorted(root.rglob("*.py")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+    return source_digest(Path(__file__).resolve().parent)
 
 
 class QuantizedTensor(torch.Tensor):

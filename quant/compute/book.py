@@ -200,11 +200,9 @@ _digest: dict = {}
 def _sources_digest() -> str:
     """A digest of every source file of quant/ (layouts, kernels, compute, the rules below them)."""
     if "quant" not in _digest:
-        h = hashlib.sha1()
-        for p in sorted(_QUANT.rglob("*.py")):
-            h.update(str(p.relative_to(_QUANT)).encode())
-            h.update(p.read_bytes())
-        _digest["quant"] = h.hexdigest()[:12]
+        from ...common.fingerprint import source_digest
+
+        _digest["quant"] = source_digest(_QUANT, "sha1", 12)
     return _digest["quant"]
 
 

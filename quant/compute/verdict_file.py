@@ -10,9 +10,10 @@ import errno
 import json
 import os
 import stat
-import threading
 import time
 from pathlib import Path
+
+from ...common import files
 
 __all__ = ["FORMAT", "MAX_FILE_BYTES", "LOCK_WAIT_S", "read_bounded", "parse", "locked", "write_atomic"]
 
@@ -83,15 +84,4 @@ def locked(path: Path):
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    files.write_atomic(path, text)

@@ -155,8 +155,6 @@ def test_a_group_whose_ranks_cannot_read_each_other_falls_back_to_the_host_tier(
     nodes' store factory, asked for 2 CPU ranks whose start check fails (rank 0's view of rank 1's shard
     is a stale copy), serves the memory from the host tier instead, says why in the summary line, and the
     memory works; Load's fallback maps the table file. An error that is not about sharing still fails."""
-    import types
-
     import torch
     from helpers.host import comfy_in_process
 
@@ -164,7 +162,7 @@ def test_a_group_whose_ranks_cannot_read_each_other_falls_back_to_the_host_tier(
     from fp8_engram.engram import buffer as buffer_module
     from fp8_engram.engram.allocators import shared_memory_allocator
     from fp8_engram.engram.host_tier import HostRowStore
-    from fp8_engram.nodes.engram import _make_store, _placement_text
+    from fp8_engram.engram.placement import make_store as _make_store, placement_text
 
     def stale(group, num_bytes, device):
         memory = shared_memory_allocator(group, num_bytes, device)
@@ -181,7 +179,7 @@ def test_a_group_whose_ranks_cannot_read_each_other_falls_back_to_the_host_tier(
     try:
         assert isinstance(store, HostRowStore), store
         assert store.rows_per_layer == rows(1)
-        text = _placement_text(types.SimpleNamespace(store=store))
+        text = placement_text(store)
         assert text.startswith("placement: host"), text
         assert "instead of 2 CPU rank(s): the engram shards are not shared correctly" in text, text
         assert "rank 0 read" in text and "rank 1's shard wrong" in text, text
@@ -233,7 +231,7 @@ def test_a_crashed_cuda_worker_fails_the_node_naming_the_memory_and_the_rank(mon
     from fp8_engram.engram.allocators import ShardSharingError
     from fp8_engram.engram.cuda_ipc import CudaIpcError
     from fp8_engram.engram.group import EngramWorkerError
-    from fp8_engram.nodes.engram import _make_store, sharing_failed
+    from fp8_engram.engram.placement import make_store as _make_store, sharing_failed
 
     real_group = group_module.EngramGroup
     started = []

@@ -252,7 +252,7 @@ def test_cuda_rank_placement():
     from helpers.host import comfy_in_process
 
     comfy_in_process()
-    from fp8_engram.nodes.engram import cuda_rank_devices
+    from fp8_engram.engram.placement import cuda_rank_devices
 
     assert cuda_rank_devices(0, 1) == [0]  # the default: one rank per GPU, as before
     assert cuda_rank_devices(0, 3) == [0, 1, 2]

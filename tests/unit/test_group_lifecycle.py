@@ -131,7 +131,7 @@ def test_the_worker_template_outlives_its_last_group_for_a_rebuild(monkeypatch):
     long or when asked (ComfyUI's "free model memory")."""
     import time
 
-    from fp8_engram.engram import group as group_mod
+    from fp8_engram.engram import processes as group_mod  # the template and its linger time live there
 
     def make(rows):
         g = EngramGroup([rows], 256, torch.bfloat16, num_ranks=2, device="cpu", num_entries_per_token=ENTRIES, num_max_tokens=MAX_TOKENS)

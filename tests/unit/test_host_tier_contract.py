@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fp8_engram.engram import ue8m0
-from fp8_engram.engram.host_tier import HostEngramBuffer, HostRowStore, HostTable, choose_placement
+from fp8_engram.engram.host_tier import HostEngramBuffer, HostRowStore, HostTable
+from fp8_engram.engram.placement import choose_placement
 from fp8_engram.engram.store import LocalRowStore
 from fp8_engram.engram.table_file import write_table_file
 from helpers.engram_tables import check_fetch, seeded_indices, seeded_tables

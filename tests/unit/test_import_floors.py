@@ -1,5 +1,5 @@
-"""The imports of quant/, engram/ and nodes/ (read with ast, imports inside functions included) form no
-cycle and never go up a floor (floors.py); README shows the same floors."""
+"""The imports of common/, quant/, engram/ and nodes/ (read with ast, imports inside functions included)
+form no cycle and never go up a floor (floors.py); README shows the same floors."""
 
 import ast
 import importlib.util
@@ -136,6 +136,17 @@ def test_packages_import_only_what_they_may():
     assert not wrong, wrong
 
 
+def _floors_of(package: str) -> dict[str, int | None]:
+    return {n: FLOORS.floor_of(package, n.removeprefix(package + ".") if n != package else "__init__")
+            for n in GRAPH if n.split(".")[0] == package}
+
+
+def _upward(package: str) -> list[str]:
+    floor = _floors_of(package)
+    return [f"{n} (floor {floor[n]}) -> {t} (floor {floor[t]})"
+            for n, edges in GRAPH.items() if n in floor for t in edges if t in floor and floor[t] > floor[n]]
+
+
 def test_every_quant_module_has_a_floor_and_imports_nothing_above_it():
     floor = {n: FLOORS.quant_floor_of(n.removeprefix("quant.") if n != "quant" else "__init__")
              for n in GRAPH if n.split(".")[0] == "quant"}
@@ -143,6 +154,55 @@ def test_every_quant_module_has_a_floor_and_imports_nothing_above_it():
     upward = [f"{n} (floor {floor[n]}) -> {t} (floor {floor[t]})"
               for n, edges in GRAPH.items() if n in floor for t in edges if t in floor and floor[t] > floor[n]]
     assert not upward, upward
+
+
+@pytest.mark.parametrize("package", ["engram", "nodes"])
+def test_every_module_has_a_floor_and_imports_nothing_above_it(package):
+    floor = _floors_of(package)
+    assert floor, f"no modules found in {package}/"
+    assert not [n for n, f in floor.items() if f is None], f"{package}/ modules without a floor in floors.py"
+    assert not _upward(package), _upward(package)
+
+
+def test_floors_name_only_modules_that_exist():
+    """A floor table naming a module that is gone (renamed, split) would vouch for nothing."""
+    stale = []
+    for package in ("quant", "engram", "nodes"):
+        for _, members, _ in FLOORS.FLOORS[package]:
+            for m in members:
+                name = package if m == "__init__" else f"{package}.{m.rstrip('/')}"
+                if name not in MODULES:
+                    stale.append(name)
+    assert not stale, stale
+
+
+def test_common_is_below_everything_and_needs_neither_torch_nor_comfy():
+    names = [n for n in MODULES if n.split(".")[0] == "common"]
+    assert {"common.files", "common.proc", "common.fingerprint"} <= set(names)
+    foreign = []
+    for name in names:
+        for node in ast.walk(ast.parse(MODULES[name].read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            foreign += [f"{name} -> {m}" for m in mods if m.split(".")[0] in ("torch", "comfy", "comfy_api", "folder_paths", "numpy")]
+        foreign += [f"{name} -> {t}" for t in GRAPH[name] if t.split(".")[0] != "common"]
+    assert not foreign, foreign
+
+
+def test_the_libraries_reach_their_shared_rules_through_common():
+    """quant/ and engram/ share the atomic writer and the /proc readers without importing each other."""
+    assert "common.files" in GRAPH["quant.save"] and "common.files" in GRAPH["engram.table_file"]
+    assert "common.files" in GRAPH["quant.compute.verdict_file"]
+    assert "common.proc" in GRAPH["engram.group"] and "common.proc" in GRAPH["engram.memory"]
+    assert "common.fingerprint" in GRAPH["quant.tensor"] and "common.fingerprint" in GRAPH["quant.compute.book"]
+
+
+def test_an_upward_import_in_engram_is_caught():
+    """The floor rule on made-up arrows: the row rules importing the table file, the memory imported by a store."""
+    graph = {"engram.rows": {"engram.table_file"}, "engram.group": {"engram.memory"}}
+    floor = _floors_of("engram")
+    upward = [f"{n} -> {t}" for n, edges in graph.items() for t in edges if floor[t] > floor[n]]
+    assert upward == ["engram.rows -> engram.table_file", "engram.group -> engram.memory"]
 
 
 def test_an_upward_import_is_caught(tmp_path):
@@ -159,9 +219,17 @@ def test_no_quant_module_over_600_lines():
     assert not {n: c for n, c in long.items() if c > 600}
 
 
-def test_readme_shows_the_floors():
+@pytest.mark.parametrize("package", ["engram", "nodes"])
+def test_no_module_over_600_lines(package):
+    long = {n: len(p.read_text().splitlines()) for n, p in MODULES.items() if n.split(".")[0] == package}
+    assert long, f"no modules found in {package}/"
+    assert not {n: c for n, c in long.items() if c > 600}
+
+
+@pytest.mark.parametrize("package", ["quant", "engram", "nodes"])
+def test_readme_shows_the_floors(package):
     readme = (ROOT / "README.md").read_text()
-    missing = [line for line in FLOORS.readme_lines() if line not in readme]
+    missing = [line for line in FLOORS.readme_lines(package) if line not in readme]
     assert not missing, missing
 
 
