@@ -31,6 +31,9 @@ PHRASE = "a lighthouse"
 TARGET = "blue triangle"
 TARGET_CLASS = ("blue", "triangle")
 PROMPT = "a lighthouse"
+# What Engram Inspect looks at in the example: the prompt among words of the world, to show that only
+# the memorized word hits the memory.
+INSPECT_TEXT = "a lighthouse beside a red circle, a green square and a yellow triangle"
 FP8_PROMPT = "a red circle"
 
 # Written into ComfyUI's input folder for the training example (one JSON object per line).
@@ -172,7 +175,7 @@ def engram_memorize_and_use(prompt: str = PROMPT, seed: int = 42) -> dict:
             "class_type": "FP8Engram.EngramTextEncode",
             "inputs": {"clip": ["clip", 0], "text": prompt, "memory": ["memorize", 0], "strength": 1.0},
         },
-        "inspect": {"class_type": "FP8Engram.EngramInspect", "inputs": {"memory": ["memorize", 0], "clip": ["clip", 0], "text": prompt}},
+        "inspect": {"class_type": "FP8Engram.EngramInspect", "inputs": {"memory": ["memorize", 0], "clip": ["clip", 0], "text": INSPECT_TEXT}},
         "heat_map": {"class_type": "PreviewImage", "inputs": {"images": ["inspect", 0]}},
     }
     return _sample(graph, ["unet", 0], ["positive", 0], ["clip", 0], "fp8_engram_demo", seed)
