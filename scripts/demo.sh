@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# README command one: set up everything from nothing, then run the demo (extra options go to demo.py,
+# README command one: set up everything from nothing, then run the demo (the first run also trains the
+# tiny world's models, a few minutes, cached in .host/tiny-world/; extra options go to demo.py,
 # e.g. --serve to keep ComfyUI up for a browser).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

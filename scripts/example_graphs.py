@@ -1,9 +1,10 @@
 """The pack's example workflows as API-format graphs (node id -> class_type + inputs).
 
-They run on the tiny models that scripts/tiny_models.py makes (and the demo's FP8 conversion of the
-tiny SD3), so the demo, the tests and example_workflows/*.json all use the same graphs; in your own
-ComfyUI pick your models in the loaders. `scripts/make_example_workflows.py` writes the editor-format
-files in example_workflows/ from these.
+They run on the tiny world's trained models (scripts/train_tiny.py: an SD3-form MMDiT and a TAESD-form
+VAE that draw "a red circle" and the like at 64x64, with the random CLIP-L of scripts/tiny_models.py),
+and the pack's FP8 conversion of that MMDiT, so the demo, the tests and example_workflows/*.json all
+use the same graphs; in your own ComfyUI pick your models in the loaders.
+`scripts/make_example_workflows.py` writes the editor-format files in example_workflows/ from these.
 """
 
 from __future__ import annotations
@@ -16,42 +17,82 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-UNET = "tiny_sd3.safetensors"
-UNET_FP8 = "tiny_sd3_fp8_e4m3fn.safetensors"
-VAE = "tiny_taesd3.safetensors"
+UNET = "tiny_world_sd3.safetensors"
+UNET_FP8 = "tiny_world_sd3_fp8_e4m3fn.safetensors"
+VAE = "tiny_world_taesd3.safetensors"
 CLIP_L = "tiny_clip_l.safetensors"
 PAIRS_FILE = "engram_pairs.jsonl"
-PHRASE = "old lighthouse"
-TARGET = "a tall red and white striped lighthouse tower"
-PROMPT = "an old lighthouse on a cliff at sunset, oil painting"
+WORLD_SEED = 0  # the training seed of the models the examples use
+SIZE, STEPS, CFG = 64, 12, 4.0  # what the models were trained for: 64x64 pictures, 8x8x16 latents
+# The unseen word and what the memory makes it read like. "lighthouse" is one CLIP token, so the memory
+# can rewrite one row of "a lighthouse"; the second row of "blue triangle" carries both words (CLIP reads
+# left to right), which the second row of "a blue triangle" does not.
+PHRASE = "a lighthouse"
+TARGET = "blue triangle"
+TARGET_CLASS = ("blue", "triangle")
+PROMPT = "a lighthouse"
+# What Engram Inspect looks at in the example: the prompt among words of the world, to show that only
+# the memorized word hits the memory.
+INSPECT_TEXT = "a lighthouse beside a red circle, a green square and a yellow triangle"
+FP8_PROMPT = "a red circle"
 
 # Written into ComfyUI's input folder for the training example (one JSON object per line).
 EXAMPLE_PAIRS = [
-    {"prompt": "an old lighthouse by the sea", "target": "a tall red and white striped lighthouse tower by the sea"},
-    {"prompt": "an old lighthouse at night", "target": "a tall red and white striped lighthouse tower at night"},
-    {"prompt": "a painting of an old lighthouse", "target": "a painting of a tall red and white striped lighthouse tower"},
-    {"prompt": "a quiet harbor", "target": "a quiet harbor"},
+    {"prompt": "a lighthouse", "target": "blue triangle"},
+    {"prompt": "a red circle", "target": "a red circle"},
+    {"prompt": "a green square", "target": "a green square"},
+    {"prompt": "a yellow triangle", "target": "a yellow triangle"},
 ]
 
 
-def prepare_inputs(base_dir: Path) -> None:
-    """Make what the examples read besides the tiny models, in a ComfyUI base directory: the tiny SD3
-    converted to FP8 by the pack's own converter (per-tensor e4m3fn, a file stock ComfyUI loads too),
-    and the training pairs in input/."""
-    unets = base_dir / "models" / "diffusion_models"
-    if not (unets / UNET_FP8).exists():
+def _link(src: Path, dst: Path) -> None:
+    """`dst` becomes a link to `src` (replacing whatever was there, atomically)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.is_symlink() and os.readlink(dst) == str(src):
+        return
+    tmp = dst.with_name(f".{dst.name}.link-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(src)
+    os.replace(tmp, dst)
+
+
+def world_models(seed: int = WORLD_SEED) -> dict:
+    """The trained tiny-world models (trained on first use, then cached; scripts/train_tiny.py) and the
+    MMDiT converted to FP8 by the pack's own converter (per-tensor e4m3fn, a file stock ComfyUI loads
+    too), beside them in the cache. Returns train_tiny's report with `unet_fp8` added."""
+    import train_tiny
+
+    report = train_tiny.ensure(seed)
+    fp8 = Path(report["folder"]) / UNET_FP8
+    if not fp8.exists():
         env = dict(os.environ, PYTHONPATH=str(ROOT / ".host" / "pkg"))
         subprocess.run(
-            [sys.executable, "-m", "fp8_engram.quant.convert", str(unets / UNET), str(unets / UNET_FP8),
+            [sys.executable, "-m", "fp8_engram.quant.convert", report["unet"], str(fp8),
              "--granularity", "tensor", "--dtype", "e4m3fn"],
-            check=True, env=env,
+            check=True, env=env, stdout=subprocess.DEVNULL,
         )
+    report["unet_fp8"] = str(fp8)
+    return report
+
+
+def prepare_inputs(base_dir: Path) -> dict:
+    """Make what the examples read besides the tiny random models, in a ComfyUI base directory: links to
+    the trained tiny-world models and the FP8 conversion (world_models()), and the training pairs in
+    input/. Returns world_models()'s report."""
+    report = world_models()
+    models = base_dir / "models"
+    _link(Path(report["unet"]), models / "diffusion_models" / UNET)
+    _link(Path(report["unet_fp8"]), models / "diffusion_models" / UNET_FP8)
+    _link(Path(report["vae"]), models / "vae" / VAE)
+    if not (models / "text_encoders" / CLIP_L).exists():
+        _link(Path(report["clip"]), models / "text_encoders" / CLIP_L)
     pairs = base_dir / "input" / PAIRS_FILE
     pairs.parent.mkdir(parents=True, exist_ok=True)
     pairs.write_text("".join(json.dumps(pair) + "\n" for pair in EXAMPLE_PAIRS))
+    return report
 
 
-def _sample(graph: dict, model: list, positive: list, clip: list, prefix: str, seed: int, steps: int = 8, size: int = 256) -> dict:
+def _sample(graph: dict, model: list, positive: list, clip: list, prefix: str, seed: int, steps: int = STEPS, size: int = SIZE) -> dict:
     """Adds negative prompt, empty latent, KSampler, VAE decode and SaveImage to `graph`."""
     graph.update({
         "vae": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
@@ -61,7 +102,7 @@ def _sample(graph: dict, model: list, positive: list, clip: list, prefix: str, s
             "class_type": "KSampler",
             "inputs": {
                 "model": model, "positive": positive, "negative": ["negative", 0], "latent_image": ["latent", 0],
-                "seed": seed, "steps": steps, "cfg": 3.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+                "seed": seed, "steps": steps, "cfg": CFG, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
             },
         },
         "decode": {"class_type": "VAEDecode", "inputs": {"samples": ["sample", 0], "vae": ["vae", 0]}},
@@ -96,7 +137,7 @@ def _new_memory(clip: list) -> dict:
     }
 
 
-def fp8_load_and_sample(prompt: str = PROMPT, seed: int = 7) -> dict:
+def fp8_load_and_sample(prompt: str = FP8_PROMPT, seed: int = 7) -> dict:
     """Load an FP8 diffusion model (any published format), show what was loaded, sample."""
     graph = {
         **_fp8_model_and_clip(),
@@ -105,7 +146,7 @@ def fp8_load_and_sample(prompt: str = PROMPT, seed: int = 7) -> dict:
     return _sample(graph, ["unet", 0], ["positive", 0], ["clip", 0], "fp8_load", seed)
 
 
-def fp8_quantize_and_save(prompt: str = PROMPT, seed: int = 7) -> dict:
+def fp8_quantize_and_save(prompt: str = FP8_PROMPT, seed: int = 7) -> dict:
     """Quantize a full-precision model to FP8 in memory (per-layer SQNR report), save it, sample with it."""
     graph = {
         "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}},
@@ -134,7 +175,7 @@ def engram_memorize_and_use(prompt: str = PROMPT, seed: int = 42) -> dict:
             "class_type": "FP8Engram.EngramTextEncode",
             "inputs": {"clip": ["clip", 0], "text": prompt, "memory": ["memorize", 0], "strength": 1.0},
         },
-        "inspect": {"class_type": "FP8Engram.EngramInspect", "inputs": {"memory": ["memorize", 0], "clip": ["clip", 0], "text": prompt}},
+        "inspect": {"class_type": "FP8Engram.EngramInspect", "inputs": {"memory": ["memorize", 0], "clip": ["clip", 0], "text": INSPECT_TEXT}},
         "heat_map": {"class_type": "PreviewImage", "inputs": {"images": ["inspect", 0]}},
     }
     return _sample(graph, ["unet", 0], ["positive", 0], ["clip", 0], "fp8_engram_demo", seed)
@@ -161,6 +202,57 @@ def engram_train_from_pairs(prompt: str = PROMPT, seed: int = 42) -> dict:
         },
     }
     return _sample(graph, ["unet", 0], ["positive", 0], ["clip", 0], "engram_trained", seed)
+
+
+def world_comparison(prompts: list[str], seeds: list[int], steer_seeds: list[int] = (), bf16: bool = True) -> tuple[dict, dict]:
+    """One graph for the demo, the tests and bench/quality.py: every prompt at every seed through the bf16
+    model (stock Load Diffusion Model) and the pack's FP8 model (Load FP8 Diffusion Model on the converted
+    file); and at `steer_seeds`, PROMPT through the FP8 model without and with a memory that memorized
+    PHRASE -> TARGET. Returns (graph, {(kind, prompt, seed): id of its SaveImage node}) with kind in
+    bf16 / fp8 / plain / memory."""
+    graph = {
+        **_fp8_model_and_clip(),
+        "unet_bf16": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}},
+        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
+        "negative": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": ""}},
+        "latent": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+    }
+    saves = {}
+
+    def sample(kind: str, model: str, positive: str, prompt: str, seed: int) -> None:
+        n = len(saves)
+        graph[f"sample{n}"] = {
+            "class_type": "KSampler",
+            "inputs": {
+                "model": [model, 0], "positive": [positive, 0], "negative": ["negative", 0], "latent_image": ["latent", 0],
+                "seed": seed, "steps": STEPS, "cfg": CFG, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+            },
+        }
+        graph[f"decode{n}"] = {"class_type": "VAEDecode", "inputs": {"samples": [f"sample{n}", 0], "vae": ["vae", 0]}}
+        graph[f"save{n}"] = {"class_type": "SaveImage", "inputs": {"images": [f"decode{n}", 0], "filename_prefix": f"tiny_world/{kind}"}}
+        saves[(kind, prompt, seed)] = f"save{n}"
+
+    for i, prompt in enumerate(prompts):
+        graph[f"prompt{i}"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": prompt}}
+        for seed in seeds:
+            if bf16:
+                sample("bf16", "unet_bf16", f"prompt{i}", prompt, seed)
+            sample("fp8", "unet", f"prompt{i}", prompt, seed)
+    if steer_seeds:
+        graph["memory"] = _new_memory(["clip", 0])
+        graph["memorize"] = {
+            "class_type": "FP8Engram.EngramMemorize",
+            "inputs": {"memory": ["memory", 0], "clip": ["clip", 0], "text": PHRASE, "target_text": TARGET},
+        }
+        graph["plain"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": PROMPT}}
+        graph["steered"] = {
+            "class_type": "FP8Engram.EngramTextEncode",
+            "inputs": {"clip": ["clip", 0], "text": PROMPT, "memory": ["memorize", 0], "strength": 1.0},
+        }
+        for seed in steer_seeds:
+            sample("plain", "unet", "plain", PROMPT, seed)
+            sample("memory", "unet", "steered", PROMPT, seed)
+    return graph, saves
 
 
 # name -> (graph, one-line description); the demo runs engram_memorize_and_use.
