@@ -31,3 +31,15 @@ def overcommit_mode() -> int | None:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def cpu_model() -> str | None:
+    """The processor's model name from /proc/cpuinfo; None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None

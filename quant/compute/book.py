@@ -183,14 +183,9 @@ def verdict_from_json(entry, registered) -> Verdict:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from ...common.proc import cpu_model
+
+    return cpu_model() or platform.processor() or platform.machine()
 
 
 _QUANT = Path(__file__).resolve().parents[1]
