@@ -65,11 +65,14 @@ def hadamard(size: int, regular: bool = False, device=None) -> torch.Tensor:
     h = None if tracing() else _hadamards.get(key)  # a cached real tensor cannot enter a compile's fake trace
     if h is None:
         check_block(size, regular)
-        seed = torch.tensor(_H4 if regular else ((1, 1), (1, -1)), dtype=torch.float32)
-        h = seed
-        while h.shape[0] < size:
-            h = torch.kron(h, seed)
-        h = (h / (size ** 0.5)).to(device)
+        # Built outside inference_mode: a cached matrix made under it (a loader's first call) would be
+        # an inference tensor, which autograd refuses to save for a later training call's backward.
+        with torch.inference_mode(False), torch.no_grad():
+            seed = torch.tensor(_H4 if regular else ((1, 1), (1, -1)), dtype=torch.float32)
+            h = seed
+            while h.shape[0] < size:
+                h = torch.kron(h, seed)
+            h = (h / (size ** 0.5)).to(device)
         if not tracing():
             _hadamards[key] = h
     return h

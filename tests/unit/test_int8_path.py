@@ -150,6 +150,21 @@ def test_the_path_choice(monkeypatch):
     assert torch.allclose(xg.grad, w8.dequantize().sum(0).expand_as(x), atol=1e-5)
 
 
+def test_a_rotation_first_built_under_inference_mode_still_trains(monkeypatch):
+    # ComfyUI runs its loaders and samplers under inference_mode; the cached rotation those first calls
+    # build must still serve a later autograd call (an inference tensor cannot be saved for backward)
+    w8 = qint8.to_int8(weight(16, 128))
+    assert w8.layout.rotation
+    monkeypatch.setattr("fp8_engram.quant.layouts.int8._hadamards", {})  # quantizing built one already
+    x = outlier_activation((3,), 128)
+    with torch.inference_mode():
+        linear(x, w8, None, ComputeConfig(path="weight_only"))
+    assert not hadamard(w8.layout.rotation, w8.layout.regular).is_inference()
+    xg = x.clone().requires_grad_(True)
+    linear(xg, w8, None, ComputeConfig(path="weight_only")).sum().backward()
+    assert torch.allclose(xg.grad, w8.dequantize().sum(0).expand_as(x), atol=1e-5)
+
+
 def test_auto_picks_int8_on_ampere_not_on_turing_or_fp8_gpus(monkeypatch):
     # Turing: Triton cannot compile the int8 GEMM for sm_75 (test_sm90_compile.py compiles it there)
     for cap, want in (((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True), ((8, 9), False),
