@@ -40,33 +40,67 @@ _GRID = {
 # ---------------------------------------------------------------------------------------------
 
 # On the CPU, torch converts FP8 element by element in scalar code. A 65536-entry table that maps
-# each PAIR of FP8 bytes straight to two results (scale already applied) turns the whole
-# dequantization into one gather, with the same rounding as "convert, then multiply in float32".
-# 16-bit results pair up into an int32 table (256 KiB), float32 results into an int64 table
-# (512 KiB). Building a table costs ~0.1 ms, so small tensors take the plain conversion.
-_PAIR_LUT_MIN_NUMEL = 1 << 20
+# each PAIR of FP8 bytes straight to two results turns the conversion into one gather. 16-bit results
+# pair up into an int32 table (256 KiB), float32 results into an int64 table (512 KiB).
+# - Without a scale the table holds torch's own conversion (NaN payloads included) and is built once
+#   per (FP8 dtype, result dtype).
+# - With a scale, a large tensor gets a table of the scaled results, built per call (~0.05 ms), with
+#   the same rounding as "convert, then multiply in float32"; a smaller one gathers exact float32
+#   values from the cached table, multiplies them and rounds once into the result dtype.
+# 4-10x faster than torch's conversion from 4K elements up (bench/linear_overhead.py).
+_SCALED_TABLE_MIN_NUMEL = 1 << 18
 _PAIR_WORD = {torch.bfloat16: (torch.int16, torch.int32, 16, 0xFFFF),
               torch.float16: (torch.int16, torch.int32, 16, 0xFFFF),
               torch.float32: (torch.int32, torch.int64, 32, 0xFFFFFFFF)}
+_tables: dict = {}
+
 
 def _all_codes(fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype)
 
 
-def _cpu_pair_lut(q: torch.Tensor, dtype: torch.dtype, scale, out=None) -> torch.Tensor:
+def _pair_table(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """256 results in ``dtype`` -> the table of pairs: entry (hi << 8 | lo) holds values[lo] in the
+    low half (the first byte, little endian) and values[hi] in the high half."""
     half, word, shift, mask = _PAIR_WORD[dtype]
-    values = _all_codes(q.dtype).to(torch.float32)
-    if scale is not None:
-        values = values * scale.to(torch.float32)
-    bits = values.to(dtype).view(half).to(word) & mask
-    # entry (hi << 8 | lo) holds bits[lo] in the low half (first byte, little endian), bits[hi] high
-    table = ((bits << shift)[:, None] | bits[None, :]).reshape(-1)
+    bits = values.view(half).to(word) & mask
+    return ((bits << shift)[:, None] | bits[None, :]).reshape(-1)
+
+
+def _cached_table(fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    table = _tables.get((fp8_dtype, dtype))
+    if table is None:
+        # outside inference_mode, so the cached table is a normal tensor wherever it is first built
+        with torch.inference_mode(False), torch.no_grad():
+            table = _pair_table(_all_codes(fp8_dtype).to(dtype), dtype)
+        _tables[(fp8_dtype, dtype)] = table
+    return table
+
+
+def _gather_pairs(q: torch.Tensor, table: torch.Tensor, into: torch.Tensor) -> None:
+    """``into`` (flat, q's element count) <- table[each pair of q's bytes]."""
     pairs = q.reshape(-1).view(torch.int16).view(torch.uint16)
     idx = workspace("pair_lut_index", pairs.numel(), torch.int32)
     idx.copy_(pairs)
+    torch.index_select(table, 0, idx, out=into.view(table.dtype))
+
+
+def _cpu_pairs(q: torch.Tensor, dtype: torch.dtype, scale, out) -> torch.Tensor:
     if out is None:
         out = torch.empty(q.shape, dtype=dtype)
-    torch.index_select(table, 0, idx, out=out.view(-1).view(word))
+    flat = out.view(-1)
+    if scale is None:
+        _gather_pairs(q, _cached_table(q.dtype, dtype), flat)
+    elif q.numel() >= _SCALED_TABLE_MIN_NUMEL:
+        values = (_all_codes(q.dtype).to(torch.float32) * scale.to(torch.float32).reshape(())).to(dtype)
+        _gather_pairs(q, _pair_table(values, dtype), flat)
+    else:
+        direct = dtype == torch.float32
+        values = flat if direct else workspace("pair_f32", q.numel(), torch.float32)
+        _gather_pairs(q, _cached_table(q.dtype, torch.float32), values)
+        values.mul_(scale.to(torch.float32).reshape(()))
+        if not direct:
+            flat.copy_(values)  # one rounding, from the float32 product
     return out
 
 
@@ -89,12 +123,12 @@ def fp8_to(q: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = Non
     if (
         q.device.type == "cpu"
         and dtype in _PAIR_WORD
-        and q.numel() >= _PAIR_LUT_MIN_NUMEL
         and q.numel() % 2 == 0
         and q.is_contiguous()
         and sys.byteorder == "little"
+        and not tracing()
     ):
-        return _cpu_pair_lut(q, dtype, None if scale is None else scale.reshape(()), out)
+        return _cpu_pairs(q, dtype, scale, out)
     if out is None:
         out = q.to(dtype)
     else:
