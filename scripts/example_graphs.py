@@ -204,40 +204,48 @@ def engram_train_from_pairs(prompt: str = PROMPT, seed: int = 42) -> dict:
     return _sample(graph, ["unet", 0], ["positive", 0], ["clip", 0], "engram_trained", seed)
 
 
+def _world_graph() -> dict:
+    """The FP8 model, the CLIP, the VAE, the empty prompt and the empty latent that every picture of a
+    world graph shares (ComfyUI runs each node once per prompt)."""
+    return {
+        **_fp8_model_and_clip(),
+        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
+        "negative": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": ""}},
+        "latent": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+    }
+
+
+def _add_picture(graph: dict, saves: dict, kind: str, model: str, positive: str, prompt: str, seed: int) -> None:
+    """One more picture in a world graph: sample `model` on the conditioning of node `positive` at `seed`,
+    decode, save; its SaveImage id goes to saves[(kind, prompt, seed)]."""
+    n = len(saves)
+    graph[f"sample{n}"] = {
+        "class_type": "KSampler",
+        "inputs": {
+            "model": [model, 0], "positive": [positive, 0], "negative": ["negative", 0], "latent_image": ["latent", 0],
+            "seed": seed, "steps": STEPS, "cfg": CFG, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+        },
+    }
+    graph[f"decode{n}"] = {"class_type": "VAEDecode", "inputs": {"samples": [f"sample{n}", 0], "vae": ["vae", 0]}}
+    graph[f"save{n}"] = {"class_type": "SaveImage", "inputs": {"images": [f"decode{n}", 0], "filename_prefix": f"tiny_world/{kind}"}}
+    saves[(kind, prompt, seed)] = f"save{n}"
+
+
 def world_comparison(prompts: list[str], seeds: list[int], steer_seeds: list[int] = (), bf16: bool = True) -> tuple[dict, dict]:
     """One graph for the demo, the tests and bench/quality.py: every prompt at every seed through the bf16
     model (stock Load Diffusion Model) and the pack's FP8 model (Load FP8 Diffusion Model on the converted
     file); and at `steer_seeds`, PROMPT through the FP8 model without and with a memory that memorized
     PHRASE -> TARGET. Returns (graph, {(kind, prompt, seed): id of its SaveImage node}) with kind in
     bf16 / fp8 / plain / memory."""
-    graph = {
-        **_fp8_model_and_clip(),
-        "unet_bf16": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}},
-        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
-        "negative": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": ""}},
-        "latent": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
-    }
+    graph = _world_graph()
+    graph["unet_bf16"] = {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}}
     saves = {}
-
-    def sample(kind: str, model: str, positive: str, prompt: str, seed: int) -> None:
-        n = len(saves)
-        graph[f"sample{n}"] = {
-            "class_type": "KSampler",
-            "inputs": {
-                "model": [model, 0], "positive": [positive, 0], "negative": ["negative", 0], "latent_image": ["latent", 0],
-                "seed": seed, "steps": STEPS, "cfg": CFG, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
-            },
-        }
-        graph[f"decode{n}"] = {"class_type": "VAEDecode", "inputs": {"samples": [f"sample{n}", 0], "vae": ["vae", 0]}}
-        graph[f"save{n}"] = {"class_type": "SaveImage", "inputs": {"images": [f"decode{n}", 0], "filename_prefix": f"tiny_world/{kind}"}}
-        saves[(kind, prompt, seed)] = f"save{n}"
-
     for i, prompt in enumerate(prompts):
         graph[f"prompt{i}"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": prompt}}
         for seed in seeds:
             if bf16:
-                sample("bf16", "unet_bf16", f"prompt{i}", prompt, seed)
-            sample("fp8", "unet", f"prompt{i}", prompt, seed)
+                _add_picture(graph, saves, "bf16", "unet_bf16", f"prompt{i}", prompt, seed)
+            _add_picture(graph, saves, "fp8", "unet", f"prompt{i}", prompt, seed)
     if steer_seeds:
         graph["memory"] = _new_memory(["clip", 0])
         graph["memorize"] = {
@@ -250,8 +258,8 @@ def world_comparison(prompts: list[str], seeds: list[int], steer_seeds: list[int
             "inputs": {"clip": ["clip", 0], "text": PROMPT, "memory": ["memorize", 0], "strength": 1.0},
         }
         for seed in steer_seeds:
-            sample("plain", "unet", "plain", PROMPT, seed)
-            sample("memory", "unet", "steered", PROMPT, seed)
+            _add_picture(graph, saves, "plain", "unet", "plain", PROMPT, seed)
+            _add_picture(graph, saves, "memory", "unet", "steered", PROMPT, seed)
     return graph, saves
 
 
