@@ -44,6 +44,17 @@ EXAMPLE_PAIRS = [
     {"prompt": "a yellow triangle", "target": "a yellow triangle"},
 ]
 
+# Words the models never saw, each trained by Engram Train to read like one class of the world (no class
+# is the yellow the models draw for words they do not know). One CLIP token each, as "lighthouse" (PHRASE).
+TRAINED_WORDS = {"a lighthouse": "blue triangle", "a teapot": "red circle", "a volcano": "green square"}
+WORDS_PAIRS_FILE = "tiny_world_words.jsonl"
+WORDS_MEMORY = "tiny_world_words"  # Save Engram Memory's name in models/engram (".safetensors" added)
+
+
+def words_pairs_text() -> str:
+    """TRAINED_WORDS as Engram Train's pairs file (JSONL: {"prompt": word, "target": class prompt} per line)."""
+    return "".join(json.dumps({"prompt": word, "target": target}) + "\n" for word, target in TRAINED_WORDS.items())
+
 
 def _link(src: Path, dst: Path) -> None:
     """`dst` becomes a link to `src` (replacing whatever was there, atomically)."""
@@ -127,11 +138,11 @@ def _fp8_model_and_clip() -> dict:
     }
 
 
-def _new_memory(clip: list) -> dict:
+def _new_memory(clip: list, rows_per_head: int = 65536) -> dict:
     return {
         "class_type": "FP8Engram.NewEngramMemory",
         "inputs": {
-            "clip": clip, "max_order": 3, "heads": 8, "rows_per_head": 65536, "dtype": "bf16",
+            "clip": clip, "max_order": 3, "heads": 8, "rows_per_head": rows_per_head, "dtype": "bf16",
             "devices": "cpu", "cpu_ranks": 2, "context_gate": False, "seed": 0,
         },
     }
@@ -260,6 +271,56 @@ def world_comparison(prompts: list[str], seeds: list[int], steer_seeds: list[int
         for seed in steer_seeds:
             _add_picture(graph, saves, "plain", "unet", "plain", PROMPT, seed)
             _add_picture(graph, saves, "memory", "unet", "steered", PROMPT, seed)
+    return graph, saves
+
+
+def world_trained_words(seeds: list[int], pairs_file: str = WORDS_PAIRS_FILE, memory_name: str = WORDS_MEMORY) -> tuple[dict, dict]:
+    """One graph: a new memory trained by Engram Train on `pairs_file` (in ComfyUI's input folder; see
+    words_pairs_text()) and saved as models/engram/<memory_name>.safetensors, and every word of
+    TRAINED_WORDS at every seed through the FP8 model without the memory (kind plain) and with it (kind
+    trained). Returns (graph, {(kind, word, seed): id of its SaveImage node})."""
+    graph = _world_graph()
+    # A small table (100 MB on disk, not 1.6 GB) for three words: it is saved and loaded again.
+    graph["memory"] = _new_memory(["clip", 0], rows_per_head=4093)
+    graph["train"] = {
+        "class_type": "FP8Engram.EngramTrain",
+        "inputs": {
+            "memory": ["memory", 0], "clip": ["clip", 0], "pairs_file": pairs_file, "steps": 30,
+            "learning_rate": 0.05, "batch_size": 4, "seed": 0,
+        },
+    }
+    graph["save_memory"] = {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["train", 0], "name": memory_name}}
+    saves = {}
+    for i, word in enumerate(TRAINED_WORDS):
+        graph[f"plain{i}"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": word}}
+        graph[f"trained{i}"] = {
+            "class_type": "FP8Engram.EngramTextEncode",
+            # Save's output (the same memory): the pictures use the memory as saved, which the loaded one must match
+            "inputs": {"clip": ["clip", 0], "text": word, "memory": ["save_memory", 0], "strength": 1.0},
+        }
+        for seed in seeds:
+            _add_picture(graph, saves, "plain", "unet", f"plain{i}", word, seed)
+            _add_picture(graph, saves, "trained", "unet", f"trained{i}", word, seed)
+    return graph, saves
+
+
+def world_loaded_words(seeds: list[int], memory_name: str = WORDS_MEMORY, cpu_ranks: int = 1) -> tuple[dict, dict]:
+    """One graph: the memory world_trained_words() saved, read back by Load Engram Memory (on `cpu_ranks`
+    CPU ranks), and every word of TRAINED_WORDS at every seed through the FP8 model with it (kind loaded).
+    Returns (graph, {(kind, word, seed): id of its SaveImage node})."""
+    graph = _world_graph()
+    graph["load_memory"] = {
+        "class_type": "FP8Engram.LoadEngramMemory",
+        "inputs": {"memory_name": f"{memory_name}.safetensors", "devices": "cpu", "cpu_ranks": cpu_ranks, "clip": ["clip", 0]},
+    }
+    saves = {}
+    for i, word in enumerate(TRAINED_WORDS):
+        graph[f"loaded{i}"] = {
+            "class_type": "FP8Engram.EngramTextEncode",
+            "inputs": {"clip": ["clip", 0], "text": word, "memory": ["load_memory", 0], "strength": 1.0},
+        }
+        for seed in seeds:
+            _add_picture(graph, saves, "loaded", "unet", f"loaded{i}", word, seed)
     return graph, saves
 
 
