@@ -44,6 +44,17 @@ EXAMPLE_PAIRS = [
     {"prompt": "a yellow triangle", "target": "a yellow triangle"},
 ]
 
+# Words the models never saw, each trained by Engram Train to read like one class of the world (no class
+# is the yellow the models draw for words they do not know). One CLIP token each, as "lighthouse" (PHRASE).
+TRAINED_WORDS = {"a lighthouse": "blue triangle", "a teapot": "red circle", "a volcano": "green square"}
+WORDS_PAIRS_FILE = "tiny_world_words.jsonl"
+WORDS_MEMORY = "tiny_world_words"  # Save Engram Memory's name in models/engram (".safetensors" added)
+
+
+def words_pairs_text() -> str:
+    """TRAINED_WORDS as Engram Train's pairs file (JSONL: {"prompt": word, "target": class prompt} per line)."""
+    return "".join(json.dumps({"prompt": word, "target": target}) + "\n" for word, target in TRAINED_WORDS.items())
+
 
 def _link(src: Path, dst: Path) -> None:
     """`dst` becomes a link to `src` (replacing whatever was there, atomically)."""
@@ -127,11 +138,11 @@ def _fp8_model_and_clip() -> dict:
     }
 
 
-def _new_memory(clip: list) -> dict:
+def _new_memory(clip: list, rows_per_head: int = 65536) -> dict:
     return {
         "class_type": "FP8Engram.NewEngramMemory",
         "inputs": {
-            "clip": clip, "max_order": 3, "heads": 8, "rows_per_head": 65536, "dtype": "bf16",
+            "clip": clip, "max_order": 3, "heads": 8, "rows_per_head": rows_per_head, "dtype": "bf16",
             "devices": "cpu", "cpu_ranks": 2, "context_gate": False, "seed": 0,
         },
     }
@@ -204,40 +215,48 @@ def engram_train_from_pairs(prompt: str = PROMPT, seed: int = 42) -> dict:
     return _sample(graph, ["unet", 0], ["positive", 0], ["clip", 0], "engram_trained", seed)
 
 
+def _world_graph() -> dict:
+    """The FP8 model, the CLIP, the VAE, the empty prompt and the empty latent that every picture of a
+    world graph shares (ComfyUI runs each node once per prompt)."""
+    return {
+        **_fp8_model_and_clip(),
+        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
+        "negative": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": ""}},
+        "latent": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+    }
+
+
+def _add_picture(graph: dict, saves: dict, kind: str, model: str, positive: str, prompt: str, seed: int) -> None:
+    """One more picture in a world graph: sample `model` on the conditioning of node `positive` at `seed`,
+    decode, save; its SaveImage id goes to saves[(kind, prompt, seed)]."""
+    n = len(saves)
+    graph[f"sample{n}"] = {
+        "class_type": "KSampler",
+        "inputs": {
+            "model": [model, 0], "positive": [positive, 0], "negative": ["negative", 0], "latent_image": ["latent", 0],
+            "seed": seed, "steps": STEPS, "cfg": CFG, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+        },
+    }
+    graph[f"decode{n}"] = {"class_type": "VAEDecode", "inputs": {"samples": [f"sample{n}", 0], "vae": ["vae", 0]}}
+    graph[f"save{n}"] = {"class_type": "SaveImage", "inputs": {"images": [f"decode{n}", 0], "filename_prefix": f"tiny_world/{kind}"}}
+    saves[(kind, prompt, seed)] = f"save{n}"
+
+
 def world_comparison(prompts: list[str], seeds: list[int], steer_seeds: list[int] = (), bf16: bool = True) -> tuple[dict, dict]:
     """One graph for the demo, the tests and bench/quality.py: every prompt at every seed through the bf16
     model (stock Load Diffusion Model) and the pack's FP8 model (Load FP8 Diffusion Model on the converted
     file); and at `steer_seeds`, PROMPT through the FP8 model without and with a memory that memorized
     PHRASE -> TARGET. Returns (graph, {(kind, prompt, seed): id of its SaveImage node}) with kind in
     bf16 / fp8 / plain / memory."""
-    graph = {
-        **_fp8_model_and_clip(),
-        "unet_bf16": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}},
-        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
-        "negative": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": ""}},
-        "latent": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
-    }
+    graph = _world_graph()
+    graph["unet_bf16"] = {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}}
     saves = {}
-
-    def sample(kind: str, model: str, positive: str, prompt: str, seed: int) -> None:
-        n = len(saves)
-        graph[f"sample{n}"] = {
-            "class_type": "KSampler",
-            "inputs": {
-                "model": [model, 0], "positive": [positive, 0], "negative": ["negative", 0], "latent_image": ["latent", 0],
-                "seed": seed, "steps": STEPS, "cfg": CFG, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
-            },
-        }
-        graph[f"decode{n}"] = {"class_type": "VAEDecode", "inputs": {"samples": [f"sample{n}", 0], "vae": ["vae", 0]}}
-        graph[f"save{n}"] = {"class_type": "SaveImage", "inputs": {"images": [f"decode{n}", 0], "filename_prefix": f"tiny_world/{kind}"}}
-        saves[(kind, prompt, seed)] = f"save{n}"
-
     for i, prompt in enumerate(prompts):
         graph[f"prompt{i}"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": prompt}}
         for seed in seeds:
             if bf16:
-                sample("bf16", "unet_bf16", f"prompt{i}", prompt, seed)
-            sample("fp8", "unet", f"prompt{i}", prompt, seed)
+                _add_picture(graph, saves, "bf16", "unet_bf16", f"prompt{i}", prompt, seed)
+            _add_picture(graph, saves, "fp8", "unet", f"prompt{i}", prompt, seed)
     if steer_seeds:
         graph["memory"] = _new_memory(["clip", 0])
         graph["memorize"] = {
@@ -250,8 +269,58 @@ def world_comparison(prompts: list[str], seeds: list[int], steer_seeds: list[int
             "inputs": {"clip": ["clip", 0], "text": PROMPT, "memory": ["memorize", 0], "strength": 1.0},
         }
         for seed in steer_seeds:
-            sample("plain", "unet", "plain", PROMPT, seed)
-            sample("memory", "unet", "steered", PROMPT, seed)
+            _add_picture(graph, saves, "plain", "unet", "plain", PROMPT, seed)
+            _add_picture(graph, saves, "memory", "unet", "steered", PROMPT, seed)
+    return graph, saves
+
+
+def world_trained_words(seeds: list[int], pairs_file: str = WORDS_PAIRS_FILE, memory_name: str = WORDS_MEMORY) -> tuple[dict, dict]:
+    """One graph: a new memory trained by Engram Train on `pairs_file` (in ComfyUI's input folder; see
+    words_pairs_text()) and saved as models/engram/<memory_name>.safetensors, and every word of
+    TRAINED_WORDS at every seed through the FP8 model without the memory (kind plain) and with it (kind
+    trained). Returns (graph, {(kind, word, seed): id of its SaveImage node})."""
+    graph = _world_graph()
+    # A small table (100 MB on disk, not 1.6 GB) for three words: it is saved and loaded again.
+    graph["memory"] = _new_memory(["clip", 0], rows_per_head=4093)
+    graph["train"] = {
+        "class_type": "FP8Engram.EngramTrain",
+        "inputs": {
+            "memory": ["memory", 0], "clip": ["clip", 0], "pairs_file": pairs_file, "steps": 30,
+            "learning_rate": 0.05, "batch_size": 4, "seed": 0,
+        },
+    }
+    graph["save_memory"] = {"class_type": "FP8Engram.SaveEngramMemory", "inputs": {"memory": ["train", 0], "name": memory_name}}
+    saves = {}
+    for i, word in enumerate(TRAINED_WORDS):
+        graph[f"plain{i}"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["clip", 0], "text": word}}
+        graph[f"trained{i}"] = {
+            "class_type": "FP8Engram.EngramTextEncode",
+            # Save's output (the same memory): the pictures use the memory as saved, which the loaded one must match
+            "inputs": {"clip": ["clip", 0], "text": word, "memory": ["save_memory", 0], "strength": 1.0},
+        }
+        for seed in seeds:
+            _add_picture(graph, saves, "plain", "unet", f"plain{i}", word, seed)
+            _add_picture(graph, saves, "trained", "unet", f"trained{i}", word, seed)
+    return graph, saves
+
+
+def world_loaded_words(seeds: list[int], memory_name: str = WORDS_MEMORY, cpu_ranks: int = 1) -> tuple[dict, dict]:
+    """One graph: the memory world_trained_words() saved, read back by Load Engram Memory (on `cpu_ranks`
+    CPU ranks), and every word of TRAINED_WORDS at every seed through the FP8 model with it (kind loaded).
+    Returns (graph, {(kind, word, seed): id of its SaveImage node})."""
+    graph = _world_graph()
+    graph["load_memory"] = {
+        "class_type": "FP8Engram.LoadEngramMemory",
+        "inputs": {"memory_name": f"{memory_name}.safetensors", "devices": "cpu", "cpu_ranks": cpu_ranks, "clip": ["clip", 0]},
+    }
+    saves = {}
+    for i, word in enumerate(TRAINED_WORDS):
+        graph[f"loaded{i}"] = {
+            "class_type": "FP8Engram.EngramTextEncode",
+            "inputs": {"clip": ["clip", 0], "text": word, "memory": ["load_memory", 0], "strength": 1.0},
+        }
+        for seed in seeds:
+            _add_picture(graph, saves, "loaded", "unet", f"loaded{i}", word, seed)
     return graph, saves
 
 

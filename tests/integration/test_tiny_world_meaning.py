@@ -11,13 +11,12 @@ model gets (colour by chance: 1/4, shape: 1/3, the memory's target: 1/12)."""
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 
 import tiny_world as world  # scripts/ is on sys.path (tests/conftest.py)
 from example_graphs import PROMPT, TARGET_CLASS, prepare_inputs, world_comparison
+from helpers.world_pictures import judged_pictures
 
 pytestmark = pytest.mark.integration
 
@@ -34,19 +33,9 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def pictures(comfy_server, comfy):
     """{(kind, prompt, seed): (picture, verdict)} for kinds bf16 / fp8 / plain / memory."""
-    from PIL import Image
-
     prepare_inputs(comfy_server.base_dir)
     graph, saves = world_comparison(PROMPTS, SEEDS, steer_seeds=STEER_SEEDS)
-    history = comfy.run(graph, timeout=900)
-    out = {}
-    for key, node_id in saves.items():
-        image = history["outputs"][node_id]["images"][0]
-        data = comfy.view(image["filename"], image.get("subfolder", ""), image.get("type", "output"))
-        picture = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-        assert picture.shape == (world.SIZE, world.SIZE, 3), (key, picture.shape)
-        out[key] = (picture, world.judge(picture))
-    return out
+    return judged_pictures(comfy, comfy.run(graph, timeout=900), saves)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
