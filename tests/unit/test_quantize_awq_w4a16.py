@@ -141,3 +141,22 @@ def test_comfy_kitchen_reads_the_written_awq_file_as_the_pack_does(quantized, tm
     for key, v in out.items():
         if is_awq(v):
             assert torch.equal(theirs[key], v.dequantize(torch.float32)), f"comfy-kitchen reads {key} otherwise"
+
+
+def test_converter_writes_the_same_awq_file_as_quantize(quantized, tmp_path):
+    from safetensors.torch import save_file
+
+    from fp8_engram.quant.convert import convert_file
+
+    sd, out, report = quantized
+    src, dst, ref = tmp_path / "bf16.safetensors", tmp_path / "awq_cli.safetensors", tmp_path / "awq.safetensors"
+    save_file(sd, str(src))
+    result, db = convert_file(src, dst, granularity="awq w4a16", keep=("final_layer*",))
+    assert sorted(db) == sorted(lq.name for lq in report.quantized)
+    assert all(abs(db[lq.name] - lq.sqnr_db) < 1e-9 for lq in report.quantized), db
+    assert result.granularities == {"awq_w4a16": len(report.quantized)}
+    save.save_state_dict(out, ref)
+    a, b = _tensors(dst), _tensors(ref)
+    assert sorted(a) == sorted(b) and a["blocks.0.odd.weight"].dtype == torch.bfloat16
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
