@@ -23,14 +23,19 @@ Prints a table and, as the last line, one JSON object {"bench": "load_int4", ...
 the end unless --keep-dir. On a CPU ComfyUI computes in float32, so a bf16 model is widened when it loads
 (its peak RSS is about twice the file) while the int4 layers stay packed and are dequantized per matmul.
 
-Measured (the shared 2-core CPU, busy with 3 other sessions: load average 3.2-4.4; --blocks 2: 1.34 GiB bf16,
-0.43 GiB int4 = 0.32x; best of 3 interleaved runs):
-  load        pack int4 0.86 s, stock bf16 1.65 s (0.52x), pack bf16 2.59 s (0.33x)
-  to 1st step pack int4 3.08 s, stock bf16 2.90 s (1.06x), pack bf16 3.22 s (0.96x): the int4 layers are
-              dequantized for every matmul (SVDQuant's effective weight with its low-rank product), which
-              spends what the smaller read saved
-  peak RSS above baseline: pack int4 932 MiB, stock bf16 4125 MiB (0.23x; after the load alone 623 vs 4125
-              MiB, 0.15x), pack bf16 4143 MiB
+Measured (the shared 2-core CPU, busy with 3 other sessions: load average 2.9-5.2; --blocks 2: 1.34 GiB bf16,
+0.43 GiB int4 = 0.32x; best of 3 interleaved runs; CPU seconds in brackets):
+  load        pack int4 4.43 s [2.91], stock bf16 2.27 s [1.51] (1.95x, CPU 1.94x), pack bf16 3.49 s [2.37]
+              (1.27x, CPU 1.23x): stock maps the file and reads it during the first step; the pack reads it
+              into its own memory and checks every int4 part first
+  to 1st step pack int4 12.27 s [8.05], stock bf16 3.88 s [2.59] (3.2x, CPU 3.1x), pack bf16 4.90 s [3.30]
+              (2.5x): the int4 layers are dequantized for every matmul, SVDQuant's effective weight with its
+              low-rank product formed in float32 (5.0 s of the step's 7.7 s under cProfile), and nothing
+              is cached between steps
+  peak RSS above baseline: pack int4 882 MiB, stock bf16 4125 MiB (0.21x; after the load alone 623 MiB,
+              0.15x), pack bf16 4143 MiB (0.21x); ComfyUI widens a bf16 model to float32 on the CPU
+Wall times swing with the other sessions (an earlier run, quieter, gave pack int4 0.86 s to load and 3.08 s
+to the first step; another 4.46 s and 11.48 s): compare the CPU-time ratios; the RSS ratio held at 0.21-0.23.
 """
 
 from __future__ import annotations
@@ -184,7 +189,7 @@ def child(loader: str, path: str) -> None:
     noise = torch.randn(1, 16, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     latent = torch.zeros(1, 16, 1, 16, 16)
     cond = [[torch.randn(1, TOKENS, TEXT, generator=torch.Generator().manual_seed(1)), {}]]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         if loader == "stock_bf16":
             model = comfy.sd.load_diffusion_model(path)
@@ -196,15 +201,17 @@ def child(loader: str, path: str) -> None:
             sd, report = formats.load_file(path, config=cfg)
             model = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": make_fp8_ops(cfg)})
             del sd
-        t_load = time.perf_counter() - t0
+        t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
         peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out = comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0,
                                   disable_pbar=True)
-        t_first = time.perf_counter() - t0
+        t_first, c_first = time.perf_counter() - t0, time.process_time() - c0
     if not bool(torch.isfinite(out).all()):
         raise SystemExit(f"{loader}: the first step gave inf or NaN")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
-    sys.stdout.write(json.dumps({"loader": loader, "load_s": t_load, "first_step_s": t_first, "baseline_mb": baseline,
+    # CPU seconds beside wall seconds: less sensitive to the other processes of a shared machine
+    sys.stdout.write(json.dumps({"loader": loader, "load_s": t_load, "first_step_s": t_first, "load_cpu_s": c_load,
+                                 "first_step_cpu_s": c_first, "baseline_mb": baseline,
                       "peak_load_mb": peak_load, "peak_mb": peak}) + "\n")
 
 
@@ -245,11 +252,12 @@ def main() -> int:
         best = {k: {m: min(r[m] for r in v) for m in v[0] if m != "loader"} for k, v in results.items()}
         logger.info("best of %d interleaved runs per loader; load average (1 min) before/after: %.2f/%.2f on %d CPUs",
                     args.repeats, load0, os.getloadavg()[0], os.cpu_count())
-        logger.info("%-11s%9s%15s%20s%17s", "loader", "load s", "to 1st step s", "peak-base MiB load", "peak-base MiB")
+        logger.info("%-11s%9s%11s%15s%17s%20s%17s", "loader", "load s", "load cpu s", "to 1st step s",
+                    "to 1st cpu s", "peak-base MiB load", "peak-base MiB")
         for k in LOADERS:
             b = best[k]
-            logger.info("%-11s%9.2f%15.2f%20.0f%17.0f", k, b["load_s"], b["first_step_s"],
-                        b["peak_load_mb"] - b["baseline_mb"], b["peak_mb"] - b["baseline_mb"])
+            logger.info("%-11s%9.2f%11.2f%15.2f%17.2f%20.0f%17.0f", k, b["load_s"], b["load_cpu_s"], b["first_step_s"],
+                        b["first_step_cpu_s"], b["peak_load_mb"] - b["baseline_mb"], b["peak_mb"] - b["baseline_mb"])
 
         def above(k, m="peak_mb"):
             return best[k][m] - best[k]["baseline_mb"]
@@ -262,6 +270,9 @@ def main() -> int:
             out[f"load_ratio_int4_vs_{tag}_bf16"] = round(best["pack_int4"]["load_s"] / best[ref]["load_s"], 3)
             out[f"first_step_ratio_int4_vs_{tag}_bf16"] = round(
                 best["pack_int4"]["first_step_s"] / best[ref]["first_step_s"], 3)
+            out[f"load_cpu_ratio_int4_vs_{tag}_bf16"] = round(best["pack_int4"]["load_cpu_s"] / best[ref]["load_cpu_s"], 3)
+            out[f"first_step_cpu_ratio_int4_vs_{tag}_bf16"] = round(
+                best["pack_int4"]["first_step_cpu_s"] / best[ref]["first_step_cpu_s"], 3)
             out[f"peak_rss_ratio_int4_vs_{tag}_bf16"] = round(above("pack_int4") / above(ref), 3)
             out[f"load_peak_rss_ratio_int4_vs_{tag}_bf16"] = round(
                 above("pack_int4", "peak_load_mb") / above(ref, "peak_load_mb"), 3)
