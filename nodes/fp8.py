@@ -400,7 +400,10 @@ class QuantizeModelToFP8(io.ComfyNode):
                                "'int8 tensor' / 'int8 row convrot': int8 "
                                "weights (fp8_dtype is ignored) in ComfyUI 0.33's int8_tensorwise form, one scale per "
                                "tensor, or per channel with its 256-wide ConvRot rotation (better quality); they run "
-                               "the int8 path where it is fast (or when the loader forces it)."),
+                               "the int8 path where it is fast (or when the loader forces it). 'awq w4a16': 4-bit "
+                               "codes with a bf16 scale and zero point per 64 inputs (comfy-kitchen's AWQ W4A16 form, "
+                               "about a quarter of bf16's size), rounded to nearest; runs weight-only; layers whose "
+                               "inputs are not a multiple of 64 stay in full precision; fp8_dtype is ignored."),
                 io.Combo.Input("fp8_dtype", options=["e4m3fn", "e5m2"], default="e4m3fn",
                                tooltip="e4m3fn: more precision (the usual choice); e5m2: more range."),
                 io.String.Input("keep_patterns", default=", ".join(DEFAULT_KEEP), multiline=True,
@@ -497,6 +500,8 @@ class SaveFP8Model(io.ComfyNode):
                   "ComfyUI 0.3.75 cannot (for it, quantize per tensor)." if "mxfp8" in result.granularities else
                   "Its int8 layers are in ComfyUI 0.33's int8_tensorwise form: stock ComfyUI 0.33 and newer read "
                   "them; older versions need this pack's loader." if "int8" in result.granularities else
+                  "Its int4 layers are in comfy-kitchen 0.2.40's form, which ComfyUI 0.33 and older cannot read: load "
+                  "it with Load FP8 Diffusion Model." if {"awq_w4a16", "svdquant_w4a4"} & set(result.granularities) else
                   "Stock ComfyUI cannot read its row/block-wise scales: load it with Load FP8 Diffusion Model."))
         summary = report.summary()
         summary["layers_total"] = report.linear_weights

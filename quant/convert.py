@@ -1,6 +1,6 @@
 """Command-line FP8 converter and format inspector.
 
-    python -m fp8_engram.quant.convert IN OUT [--granularity tensor|row|block|'int8 tensor'|'int8 row convrot'] [--block 128x128]
+    python -m fp8_engram.quant.convert IN OUT [--granularity tensor|row|block|'int8 tensor'|'int8 row convrot'|'awq w4a16'] [--block 128x128]
                                        [--dtype e4m3fn|e5m2] [--keep PATTERN ...] [--no-default-keep]
                                        [--stochastic-rounding SEED] [--overwrite]
     python -m fp8_engram.quant.convert --info FILE [--layers]
@@ -23,6 +23,7 @@ import torch
 
 from . import formats, save
 from .tensor import QuantizedTensor
+from .layouts import unfit_reason
 from .quantize_model import DEFAULT_KEEP, GRANULARITIES, fit_layout, fp8_dtype_from_name, keep_patterns, keep_reason, make_layout, sqnr_db
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def convert_file(src, dst, *, granularity: str = "tensor", fp8_dtype="e4m3fn", k
         is_q = save.is_quantized(t)
         if key.endswith(".weight") and t.dim() == 2 and (is_q or (t.is_floating_point() and t.dtype not in formats.FP8_DTYPES)):
             name = key[: -len(".weight")]
-            if keep_reason(name, keep) is not None:
+            if keep_reason(name, keep) is not None or unfit_reason(granularity, t.shape) is not None:
                 plan[key] = t
                 continue
 
@@ -96,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--granularity", choices=GRANULARITIES, default="tensor",
                    help="scale granularity (tensor: stock ComfyUI reads it; row/block: better quality, this pack only; "
                    "mxfp8 / nvfp4: ComfyUI's own forms (0.29 and newer), e4m3fn data / 4-bit e2m1 data; "
-                   "'int8 tensor' / 'int8 row convrot': int8 weights in ComfyUI 0.33's int8_tensorwise form)")
+                   "'int8 tensor' / 'int8 row convrot': int8 weights in ComfyUI 0.33's int8_tensorwise form; "
+                   "'awq w4a16': 4-bit codes with a scale and zero point per 64 inputs, comfy-kitchen 0.2.40's form, "
+                   "this pack only)")
     p.add_argument("--block", type=parse_block, default=(128, 128), help="block size for --granularity block (ROWSxCOLS)")
     p.add_argument("--dtype", choices=("e4m3fn", "e5m2"), default="e4m3fn", help="FP8 element type")
     p.add_argument("--keep", nargs="*", default=[], metavar="PATTERN",

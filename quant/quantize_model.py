@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .layouts import GRANULARITIES as LAYOUT_GRANULARITIES, Int8, layout_for
+from .layouts import GRANULARITIES as LAYOUT_GRANULARITIES, Int8, layout_for, unfit_reason
 from .tensor import QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,10 @@ class QuantizeReport:
 
 def fit_layout(layout, shape, fp8_dtype) -> tuple[object, torch.dtype]:
     """(layout, data dtype) for one weight of `shape`: int8 layouts store int8 and drop a rotation
-    whose block does not divide in_features; FP8 layouts are returned as they are."""
+    whose block does not divide in_features; AWQ stores its 4-bit codes in int8 bytes; FP8 layouts are
+    returned as they are."""
+    if layout.family == "awq":
+        return layout, torch.int8
     if layout.family != "int8":
         return layout, fp8_dtype
     if layout.rotation and (len(shape) != 2 or shape[1] % layout.rotation):
@@ -249,7 +252,7 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], *, granularity: str = "tens
         t = sd.pop(key) if release_source else sd[key]
         if is_linear_weight(key, t):
             name = key[: -len(".weight")]
-            why = keep_reason(name, keep)
+            why = keep_reason(name, keep) or unfit_reason(granularity, t.shape)
             if why is None:
                 qt, q = quantize_weight(t, layout or make_layout(granularity, block, t.shape), fp8, orig_dtype=t.dtype,
                                         stochastic_rounding=stochastic_rounding, config=config)
@@ -290,7 +293,7 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
         w = weight_of(name, m) if weight_of is not None else getattr(m, "weight", None)
         if not isinstance(w, torch.Tensor) or not is_linear_weight(name + ".weight", w):
             continue
-        why = keep_reason(name, keep)
+        why = keep_reason(name, keep) or unfit_reason(granularity, w.shape)
         if why is None:
             with torch.no_grad():
                 qt, q = quantize_weight(w.detach(), layout or make_layout(granularity, block, w.shape), fp8,
@@ -306,6 +309,8 @@ def quantize_module(module: torch.nn.Module, *, granularity: str = "tensor", fp8
 
 
 def _element_name(granularity: str, layout, fp8: torch.dtype) -> str:
+    if granularity == "awq w4a16":
+        return "uint4"  # codes 0..15 with a scale and a zero point per 64 inputs
     return "e2m1" if granularity == "nvfp4" else data_dtype_name(layout, fp8)
 
 

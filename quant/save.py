@@ -389,7 +389,7 @@ def plan_tensors(state_dict: dict, *, comfy_quant: bool = True, dtypes: dict[str
                      "older ComfyUI cannot, and this pack's loaders read them everywhere")
     elif svdquant.FORMAT in grans or awq.FORMAT in grans:
         notes.append("int4 layers (comfy-kitchen 0.2.40's " + " and ".join(f for f in (awq.FORMAT, svdquant.FORMAT)
-                                                                     if f in grans) + " forms), bytes as loaded; "
+                                                                     if f in grans) + " forms; a loaded layer's bytes as read); "
                      "ComfyUI 0.33 and older cannot read them, this pack's loaders can")
     elif quantized and not stock and not has_nv:
         notes.append("stock ComfyUI cannot apply row-wise or block-wise scales (or mixed e4m3fn/e5m2 layers): "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ..errors import QuantizationError
 from .awq import AWQW4A16
+from .awq import unfit_reason as awq_unfit_reason
 from .base import FP8_DTYPES, LayoutBase, check_fp8_dtype
 from .comfy_int8 import DEFAULT_CONVROT
 from .fp8 import Block, PerRow, PerTensor, fp8_to
@@ -28,7 +29,7 @@ from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
 from .svdquant import SVDQuantW4A4
 
-__all__ = ["LAYOUTS", "GRANULARITIES", "is_layout", "check_layout", "layout_for", "LayoutBase",
+__all__ = ["LAYOUTS", "GRANULARITIES", "is_layout", "check_layout", "layout_for", "unfit_reason", "LayoutBase",
            "PerTensor", "PerRow", "Block", "MXFP8", "NVFP4", "Int8", "AWQW4A16", "SVDQuantW4A4", "FP8_DTYPES", "check_fp8_dtype",
            "fp8_to", "QuantizationError"]
 
@@ -45,7 +46,12 @@ GRANULARITIES = {
     "nvfp4": lambda block, shape: None if shape is None else NVFP4.for_shape(shape),
     "int8 tensor": lambda block, shape: Int8(False),
     "int8 row convrot": lambda block, shape: Int8(True, DEFAULT_CONVROT, True),
+    # comfy-kitchen 0.2.40's AWQ W4A16 (group 64, bf16 scales and zero points), by round to nearest per group
+    "awq w4a16": lambda block, shape: None if shape is None else AWQW4A16.for_shape(shape),
 }
+
+# Why a granularity cannot hold a weight of some shape (None: it can); the quantizers keep such layers.
+_UNFIT = {"awq w4a16": awq_unfit_reason}
 
 
 def is_layout(obj) -> bool:
@@ -57,6 +63,12 @@ def check_layout(layout) -> None:
         raise QuantizationError(
             f"layout must be PerTensor(), PerRow(), Block(rows, cols) or Int8(...), got {layout!r}"
         )
+
+
+def unfit_reason(granularity: str, shape) -> str | None:
+    """Why ``granularity`` cannot hold a weight of ``shape`` (None: it can, or the granularity takes any shape)."""
+    check = _UNFIT.get(granularity)
+    return None if check is None else check(tuple(shape))
 
 
 def layout_for(granularity: str, block=(128, 128), shape=None):

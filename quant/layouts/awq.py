@@ -32,8 +32,8 @@ import torch
 from ..errors import QuantizationError
 from .base import LayoutBase
 
-__all__ = ["AWQW4A16", "FORMAT", "DEFAULT_GROUP", "ZERO_SUFFIXES", "is_awq", "unpack_codes", "pack_codes",
-           "plan_layer", "file_tensors", "comfy_quant_conf"]
+__all__ = ["AWQW4A16", "FORMAT", "DEFAULT_GROUP", "ZERO_SUFFIXES", "is_awq", "unfit_reason", "unpack_codes",
+           "pack_codes", "plan_layer", "file_tensors", "comfy_quant_conf"]
 
 FORMAT = "awq_w4a16"
 DEFAULT_GROUP = 64
@@ -157,6 +157,16 @@ class AWQW4A16(LayoutBase):
         codes = codes.clamp_(0, 15).to(torch.uint8).reshape(n, k)
         scale = torch.stack((s.t(), z.t())).contiguous()
         return pack_codes(codes).reshape(self.storage_shape), scale
+
+
+def unfit_reason(shape, group: int = DEFAULT_GROUP) -> str | None:
+    """Why a weight of ``shape`` cannot be written as AWQ W4A16 with ``group`` (None: it can), for a quantizer
+    that keeps such layers in full precision instead of failing."""
+    if len(shape) != 2:
+        return f"not a 2-D weight (shape {list(shape)})"
+    if shape[1] % 2 or shape[1] % group:
+        return f"in_features {shape[1]} is not a multiple of the AWQ group size {group}"
+    return None
 
 
 def is_awq(t) -> bool:

@@ -122,7 +122,16 @@ ARCHS: tuple[Arch, ...] = (
          latent=(4, 8, 8), text=(8, 2048), seed=13),
 )
 
-BY_NAME = {a.name: a for a in ARCHS}
+# Qwen-Image as nunchaku's int4 bundles of it are laid out, tiny: its attention and MLP linears are the
+# SVDQuant W4A4 ones, whose output count is a multiple of 128 and input count of 64, so the width is 128
+# (2 heads of 64; the rotary axes sum to 64) where the ARCHS entry is 64 wide. Not in ARCHS (the FP8 cases
+# there need none of this); tests/integration/test_qwen_image_int4_bundle_server.py uses it.
+QWEN_IMAGE_INT4 = Arch("qwen-image-int4", "QwenImage",
+                       {"image_model": "qwen_image", "in_channels": 64, "num_layers": 2, "attention_head_dim": 64,
+                        "num_attention_heads": 2, "axes_dims_rope": (8, 28, 28), "joint_attention_dim": 3584},
+                       latent=(16, 1, 8, 8), text=(8, 3584), seed=14)
+
+BY_NAME = {a.name: a for a in ARCHS + (QWEN_IMAGE_INT4,)}
 
 
 def missing_from(arch: Arch, comfy) -> str | None:
