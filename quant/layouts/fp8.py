@@ -98,7 +98,7 @@ def _cpu_pairs(q: torch.Tensor, dtype: torch.dtype, scale, out) -> torch.Tensor:
         direct = dtype == torch.float32
         values = flat if direct else workspace("pair_f32", q.numel(), torch.float32)
         _gather_pairs(q, _cached_table(q.dtype, torch.float32), values)
-        values.mul_(scale.to(torch.float32).reshape(()))
+        values.mul_(scale if scale.dtype == torch.float32 and scale.dim() == 0 else scale.to(torch.float32).reshape(()))
         if not direct:
             flat.copy_(values)  # one rounding, from the float32 product
     return out
