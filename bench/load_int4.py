@@ -55,27 +55,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT, TOKENS, RANK = 3584, 8, 32
 LOADERS = ("stock_bf16", "pack_int4", "pack_bf16")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load import comfy_root, rss_mb, setup_paths  # noqa: E402  (the same ComfyUI, paths and RSS reader)
+
 logger = logging.getLogger("bench.load_int4")
-
-
-def comfy_root() -> Path:
-    """COMFYUI_PATH, else the 0.3.75 tree of scripts/setup.sh (scripts/comfyhost.py's rule)."""
-    if os.environ.get("COMFYUI_PATH"):
-        return Path(os.environ["COMFYUI_PATH"])
-    return ROOT / ".host" / "comfyui"
-
-
-def setup_paths():
-    sys.path.insert(0, str(comfy_root()))
-    sys.path.insert(0, str(ROOT / ".host" / "pkg"))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def int4_kind(key: str, shape: tuple) -> str | None:
