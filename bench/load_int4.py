@@ -56,7 +56,7 @@ TEXT, TOKENS, RANK = 3584, 8, 32
 LOADERS = ("stock_bf16", "pack_int4", "pack_bf16")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import comfy_root, rss_mb, setup_paths  # noqa: E402  (the same ComfyUI, paths and RSS reader)
+from load import rss_mb, setup_paths  # noqa: E402  (the same ComfyUI paths and RSS reader)
 
 logger = logging.getLogger("bench.load_int4")
 
