@@ -115,13 +115,13 @@ def fp8_to(q: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = Non
     if scale is not None and scale.numel() != 1:
         raise QuantizationError(f"fp8_to takes a scalar scale, got shape {list(scale.shape)}")
     if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(q.shape)
-                            or not out.is_contiguous() or out.device != q.device):
+                            or not out.is_contiguous() or out.is_cpu != q.is_cpu or out.get_device() != q.get_device()):
         raise QuantizationError(
             f"fp8_to: out must be a contiguous {dtype} tensor of shape {list(q.shape)} on "
             f"{q.device}, got {out.dtype} {list(out.shape)} on {out.device}"
         )
     if (
-        q.device.type == "cpu"
+        q.is_cpu
         and dtype in _PAIR_WORD
         and q.numel() % 2 == 0
         and q.is_contiguous()
@@ -210,7 +210,7 @@ class PerTensor(LayoutBase):
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        if q.device.type != "cpu" or tracing():
+        if not q.is_cpu or tracing():
             return _off_cpu(q, scale, None, dtype, out)
         return fp8_to(q, dtype, scale, out)
 
@@ -251,7 +251,7 @@ class PerRow(LayoutBase):
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        if q.device.type != "cpu" or tracing():
+        if not q.is_cpu or tracing():
             return _off_cpu(q, scale, (1, q.shape[1]), dtype, out)
         return _dequantize_scaled(q, scale, 1, q.shape[1], dtype, out)
 
@@ -329,7 +329,7 @@ class Block(LayoutBase):
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        if q.device.type != "cpu" or tracing():
+        if not q.is_cpu or tracing():
             return _off_cpu(q, scale, (self.rows, self.cols), dtype, out)
         return _dequantize_scaled(q, scale, self.rows, self.cols, dtype, out)
 
@@ -345,7 +345,7 @@ def _off_cpu(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype,
     scale to bf16 first, while the CPU keeps it float32. ``QuantizedTensor.dequantize`` takes the
     one-pass kernel of ``kernels.dequant`` (Triton, and the custom op while compiling) before this."""
     if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(q.shape)
-                            or not out.is_contiguous() or out.device != q.device):
+                            or not out.is_contiguous() or out.is_cpu != q.is_cpu or out.get_device() != q.get_device()):
         raise QuantizationError(
             f"dequantize: out must be a contiguous {dtype} tensor of shape {list(q.shape)} on "
             f"{q.device}, got {out.dtype} {list(out.shape)} on {out.device}"
@@ -399,7 +399,7 @@ def _dequantize_scaled(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: in
     bf16 tensor by bf16(scale) would be faster and round twice (3 dB less SQNR); torch's
     mixed-dtype in-place multiply rounds once but is ~10x slower than this."""
     if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(q.shape)
-                            or not out.is_contiguous() or out.device != q.device):
+                            or not out.is_contiguous() or out.is_cpu != q.is_cpu or out.get_device() != q.get_device()):
         raise QuantizationError(
             f"dequantize: out must be a contiguous {dtype} tensor of shape {list(q.shape)} on "
             f"{q.device}, got {out.dtype} {list(out.shape)} on {out.device}"

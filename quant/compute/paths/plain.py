@@ -44,7 +44,7 @@ def _dequantized(x, w, bias, cdt, stored: bool = False) -> torch.Tensor:
     """W in ``cdt`` for one product (``stored``: an int8 weight as stored, still rotated)."""
     keeps_weight = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     dequantize = w.layout.dequantize_stored if stored else w.layout.dequantize
-    if w.qdata.device.type != "cpu" or keeps_weight or w.transposed or w.layout.packed or tracing():
+    if not w.qdata.is_cpu or keeps_weight or w.transposed or w.layout.packed or tracing():
         return w.dequantize(cdt) if not stored else dequantize(w.qdata, w.scale, cdt)
     buf = workspace("weight_only", w.qdata.numel(), cdt).view(w.qdata.shape)
     return dequantize(w.qdata, w.scale, cdt, out=buf)
