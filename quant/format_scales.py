@@ -85,6 +85,21 @@ def infer_layout(path, scale_key: str, weight_shape, scale_shape, source: str,
                   ", or one the file declares in quantization_config weight_block_size"))
 
 
+def infer_bank_layout(path, scale_key: str, weight_shape, scale_shape) -> tuple[str, tuple[int, ...]]:
+    """Map a scale shape to (granularity, normalized scale shape) for a 3-D expert bank [experts, rows, cols]:
+    one scale ("tensor") or one per expert ("expert"); block-wise banks are refused."""
+    n = weight_shape[0]
+    sshape = tuple(scale_shape)
+    if math.prod(sshape) == 1 and len(sshape) <= 3 and n != 1:
+        return "tensor", ()
+    if sshape in ((n,), (n, 1, 1)):
+        return "expert", (n, 1, 1)
+    if math.prod(sshape) == 1:  # a bank of one expert: both readings are the same numbers
+        return "tensor", ()
+    raise _err(path, scale_key, f"scale shape {list(sshape)} fits no layout for the expert bank of shape "
+               f"{list(weight_shape)}", f"[] or [1] (per tensor), or [{n}] or [{n}, 1, 1] (one scale per expert)")
+
+
 def _check_scale_values(path, key: str, t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in FLOAT_DTYPES:
         raise _err(path, key, f"scale has dtype {str(t.dtype).removeprefix('torch.')}",

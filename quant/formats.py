@@ -49,7 +49,7 @@ from typing import Callable, Iterable
 import torch
 
 from .errors import FormatError, QuantizationError
-from .layouts import awq, layout_for, mxfp8, svdquant
+from .layouts import PerExpert, awq, layout_for, mxfp8, svdquant
 from .layouts.comfy_int8 import INT8_FORMATS, plan_layer
 from .layouts.nvfp4 import GROUP as NVFP4_GROUP, scales_from_file as nvfp4_scales_from_file, split_scales
 from .tensor import QuantizedTensor
@@ -59,7 +59,7 @@ from .format_report import (  # noqa: F401 - format names and report types are p
     _fp8_name, _make_report)
 from .format_scales import (  # noqa: F401
     KNOWN_BLOCKS, _check_declared_group, _check_scale_values, block_grid, check_nvfp4_range, check_scale_range,
-    infer_layout, nvfp4_by_tensors)
+    infer_bank_layout, infer_layout, nvfp4_by_tensors)
 from .safetensors_file import (  # noqa: F401
     MAX_COMFY_QUANT_BYTES, MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_METADATA_JSON_BYTES, ST_DTYPES, ST_NAMES,
     SafetensorsHeader, TensorEntry, _err, _FileReader, _is_int, _loads, _MappedReader, _short, read_header)
@@ -214,8 +214,9 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         if not is_fp8:
             raise _err(path, wk, f"weight has dtype {_fp8_name(e.dtype)} but the file gives it a quantization scale",
                        "a float8_e4m3fn or float8_e5m2 weight")
-        if len(e.shape) != 2:
-            raise _err(path, wk, f"quantized weight has shape {list(e.shape)}", "a 2-D linear weight [out, in]")
+        if len(e.shape) not in (2, 3):
+            raise _err(path, wk, f"quantized weight has shape {list(e.shape)}",
+                       "a 2-D linear weight [out, in] or a 3-D expert bank [experts, rows, cols]")
         full_precision_mm = False
         comfy_format = None
         extra: list[str] = []
@@ -278,7 +279,16 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         suffix = present[0]
         scale_key = name + suffix
         se = T[scale_key]
-        if comfy_format == MXFP8_FORMAT:
+        bank_layout = None
+        if len(e.shape) == 3:  # a mixture-of-experts bank: one scale, or one per expert
+            if comfy_format not in (None, "float8_e4m3fn", "float8_e5m2"):
+                raise _err(path, cq_key if has_cq else wk, f"expert bank of shape {list(e.shape)} in format {comfy_format}",
+                           "an FP8 expert bank with a per-tensor or per-expert scale")
+            gran, norm_shape = infer_bank_layout(path, scale_key, e.shape, se.shape)
+            block = None
+            bank_layout = PerExpert() if gran == "expert" else None
+            scale = _check_scale_values(path, scale_key, rd.get(scale_key)).reshape(norm_shape)
+        elif comfy_format == MXFP8_FORMAT:
 
             if has_cq:
                 _check_declared_group(path, cq_key, cq, MXFP8_FORMAT, mxfp8.BLOCK)
@@ -313,7 +323,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         consumed.update(extra)
         scales[wk] = scale
         layers[wk] = LayerInfo(name, source, gran, block, e.dtype, tuple(e.shape), wk, scale_key, in_key,
-                               full_precision_mm, tuple(extra))
+                               full_precision_mm, tuple(extra), layout=bank_layout)
 
     for name in meta_own:
         if name + ".weight" not in T:
@@ -326,7 +336,8 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
                            "metadata lists a layer the file does not hold", f"a tensor '{name}.weight'")
 
     uses_scales = bool(layers)
-    # ---- fp8 2-D weights without any scale
+    # ---- fp8 2-D weights without any scale (a 3-D one may as well be a Conv1d kernel as an expert bank: it
+    # stays a plain tensor, as before)
     for wk in sorted(weight_keys - set(layers)):
         e = T[wk]
         if e.dtype not in FP8_DTYPES or len(e.shape) != 2:

@@ -230,3 +230,53 @@ def test_bank_survives_torch_save_with_weights_only():
     assert isinstance(back, QuantizedTensor) and back.layout == PerExpert()
     assert torch.equal(back.qdata.view(torch.uint8), bank.qdata.view(torch.uint8))
     assert torch.equal(back.scale, bank.scale)
+
+
+# -- files: a bank with its scale loads as a QuantizedTensor ------------------------------------------
+
+
+def _bank_file(tmp_path, scale, *, comfy_quant=None, name="model.layers.0.mlp.experts.gate_up_proj"):
+    import json
+
+    from safetensors.torch import save_file
+
+    _, bank = _bank(PerExpert(), torch.bfloat16)
+    sd = {name + ".weight": bank.qdata, name + ".weight_scale": scale,
+          name + ".bias": torch.zeros(E, OUT, dtype=torch.bfloat16),
+          "model.embed_tokens.weight": torch.zeros(8, IN, dtype=torch.bfloat16)}
+    if comfy_quant is not None:
+        sd[name + ".comfy_quant"] = torch.tensor(list(json.dumps(comfy_quant).encode()), dtype=torch.uint8)
+    path = tmp_path / "bank.safetensors"
+    save_file(sd, str(path))
+    return path, name, bank
+
+
+@pytest.mark.parametrize("form", ["[E]", "[E,1,1]", "comfy_quant [E]", "per tensor []"])
+def test_bank_in_a_file_loads_as_a_quantized_bank(tmp_path, form):
+    from fp8_engram.quant import formats
+
+    scale = torch.rand(E, generator=torch.Generator().manual_seed(8)) * 0.01 + 1e-3
+    if form == "[E,1,1]":
+        scale = scale.reshape(E, 1, 1)
+    if form == "per tensor []":
+        scale = scale[0].reshape(())
+    cq = {"format": "float8_e4m3fn", "num_experts": E} if form.startswith("comfy_quant") else None
+    path, name, bank = _bank_file(tmp_path, scale, comfy_quant=cq)
+    sd, report = formats.load_file(path, orig_dtype=torch.bfloat16)
+    w = sd[name + ".weight"]
+    assert is_bank(w) and tuple(w.shape) == (E, OUT, IN)
+    assert w.layout == (PerTensor() if form == "per tensor []" else PerExpert())
+    assert torch.equal(w.qdata.view(torch.uint8), bank.qdata.view(torch.uint8))
+    want = (bank.qdata.to(torch.float32) * scale.reshape(-1, 1, 1)).to(torch.bfloat16)
+    assert torch.equal(w.dequantize(), want)
+    assert name + ".comfy_quant" not in sd and name + ".weight_scale" not in sd
+    assert report.granularities.get("tensor" if form == "per tensor []" else "expert") == 1
+
+
+def test_bank_scale_of_wrong_shape_names_the_file_and_key(tmp_path):
+    from fp8_engram.quant import formats
+    from fp8_engram.quant.errors import FormatError
+
+    path, name, _ = _bank_file(tmp_path, torch.ones(E + 2))
+    with pytest.raises(FormatError, match=rf"bank\.safetensors.*{name}\.weight_scale.*\[{E + 2}\].*expert bank"):
+        formats.load_file(path)
