@@ -49,7 +49,7 @@ from typing import Callable, Iterable
 import torch
 
 from .errors import FormatError, QuantizationError
-from .layouts import PerExpert, awq, layout_for, mxfp8, svdquant
+from .layouts import awq, layout_for, mxfp8, svdquant
 from .layouts.comfy_int8 import INT8_FORMATS, plan_layer
 from .layouts.nvfp4 import GROUP as NVFP4_GROUP, scales_from_file as nvfp4_scales_from_file, split_scales
 from .tensor import QuantizedTensor
@@ -281,12 +281,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         se = T[scale_key]
         bank_layout = None
         if len(e.shape) == 3:  # a mixture-of-experts bank: one scale, or one per expert
-            if comfy_format not in (None, "float8_e4m3fn", "float8_e5m2"):
-                raise _err(path, cq_key if has_cq else wk, f"expert bank of shape {list(e.shape)} in format {comfy_format}",
-                           "an FP8 expert bank with a per-tensor or per-expert scale")
-            gran, norm_shape = infer_bank_layout(path, scale_key, e.shape, se.shape)
-            block = None
-            bank_layout = PerExpert() if gran == "expert" else None
+            gran, block, norm_shape, bank_layout = infer_bank_layout(path, scale_key, e.shape, se.shape, comfy_format)
             scale = _check_scale_values(path, scale_key, rd.get(scale_key)).reshape(norm_shape)
         elif comfy_format == MXFP8_FORMAT:
 
