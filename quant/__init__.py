@@ -9,7 +9,7 @@ import torch
 
 from .config import ComputeConfig
 from .errors import QuantizationError
-from .layouts import FP8_DTYPES, LAYOUTS, MXFP8, NVFP4, Block, Int8, PerExpert, PerRow, PerTensor
+from .layouts import FP8_DTYPES, LAYOUTS, MXFP8, NVFP4, Block, Int8, NVFP4Bank, PerExpert, PerRow, PerTensor
 from .numerics import fp8_max
 from .tensor import QuantizedTensor, _rebuild_quantized_tensor
 from . import dispatch as _dispatch  # noqa: F401  (fills the op tables)
@@ -28,6 +28,7 @@ __all__ = [
     "PerRow",
     "Block",
     "PerExpert",
+    "NVFP4Bank",
     "MXFP8",
     "Int8",
     "NVFP4",

@@ -1,7 +1,8 @@
 """The ops mixture-of-experts layers apply to a 3-D FP8 expert bank, one expert at a time.
 
-A bank is a QuantizedTensor of logical shape ``[E, rows, cols]`` with layout ``PerTensor()`` (one scale)
-or ``PerExpert()`` (one scale per expert). MoE code touches it in three ways, all handled here:
+A bank is a QuantizedTensor of logical shape ``[E, rows, cols]`` with layout ``PerTensor()`` (one scale),
+``PerExpert()`` (one scale per expert) or ``NVFP4Bank(rows, cols)`` (E NVFP4 matrices). MoE code touches
+it in three ways, all handled here:
 
 - indexing an expert or a range of experts (``bank[i]``, ``bank[i:j]``, ``bank[idx]``, ``for w in bank``,
   ComfyUI 0.33's ``MoEExperts.expert_weight``): a QuantizedTensor view of the same FP8 bytes, nothing
@@ -26,7 +27,7 @@ import torch
 
 from .dispatch import aten, implements, implements_torch_function
 from .errors import QuantizationError
-from .layouts import PerExpert, PerTensor
+from .layouts import NVFP4Bank, PerExpert, PerTensor
 from .runtime import log_once
 from .tensor import QuantizedTensor, dequantize_fallback
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["is_bank", "expert", "experts", "bank_bmm", "bank_matmul", "bank_einsum"]
 
-_BANK_LAYOUTS = (PerTensor, PerExpert)
+_BANK_LAYOUTS = (PerTensor, PerExpert, NVFP4Bank)
 
 
 def is_bank(t) -> bool:
@@ -44,24 +45,27 @@ def is_bank(t) -> bool:
 
 
 def _expert_scale(bank: QuantizedTensor, index):
-    if isinstance(bank.layout, PerExpert):
+    if isinstance(bank.layout, (PerExpert, NVFP4Bank)):
         return bank.scale[index]
     return bank.scale
 
 
 def expert(bank: QuantizedTensor, e: int) -> QuantizedTensor:
-    """Expert ``e`` of ``bank`` as a 2-D ``PerTensor()`` QuantizedTensor sharing the bank's FP8 bytes."""
+    """Expert ``e`` of ``bank`` as a 2-D QuantizedTensor sharing the bank's bytes: ``PerTensor()`` for an FP8
+    bank, ``NVFP4(rows, cols)`` for an NVFP4 bank."""
     n = bank.shape[0]
     e = int(e)
     if not -n <= e < n:
         raise IndexError(f"expert index {e} is out of range for a bank of {n} experts")
+    if isinstance(bank.layout, NVFP4Bank):  # expert e's bytes are a 2-D NVFP4 weight as they are
+        return bank._replace(qdata=bank.qdata[e], scale=bank.scale[e], layout=bank.layout.expert_layout)
     return bank._replace(qdata=bank.qdata[e], scale=_expert_scale(bank, e).reshape(()), layout=PerTensor())
 
 
 def experts(bank: QuantizedTensor, index) -> QuantizedTensor:
     """The sub-bank ``bank[index]`` (a slice or a 1-D integer index tensor over experts), still quantized."""
     qdata = bank.qdata[index]
-    scale = _expert_scale(bank, index) if isinstance(bank.layout, PerExpert) else bank.scale
+    scale = _expert_scale(bank, index)
     return bank._replace(qdata=qdata, scale=scale)
 
 

@@ -4,7 +4,7 @@ A bank stores E experts' matrices as one tensor ``[E, rows, cols]`` (ComfyUI 0.3
 ``[E, out, in]``; Hugging Face gpt-oss keeps ``[E, in, out]`` and multiplies with ``bmm``). The layout
 does not care which: it scales whole experts. A bank with one scale for everything is ``PerTensor()``
 (any rank); this layout is the per-expert form, scale ``[E, 1, 1]`` (files write ``[E]`` or
-``[E, 1, 1]``).
+``[E, 1, 1]``). ``NVFP4Bank`` holds E NVFP4 matrices, each in the 2-D form of ``nvfp4.py``.
 
 Dequantization follows the pack's one rule (``numerics``): ``float32(q) * scale`` rounded once into the
 result dtype, expert by expert, so ``dequantize(bank)[e]`` has the bits of ``dequantize(bank[e])``.
@@ -22,14 +22,15 @@ from ..errors import QuantizationError
 from ..numerics import fp8_max, scale_from_amax
 from .base import LayoutBase
 from .fp8 import _to_fp8, dequantize_eager, fp8_to
+from .nvfp4 import NVFP4
 
-__all__ = ["PerExpert"]
+__all__ = ["PerExpert", "NVFP4Bank"]
 
 
-def _need_3d(shape) -> None:
+def _need_3d(shape, name: str = "PerExpert") -> None:
     if len(shape) != 3:
         raise QuantizationError(
-            f"layout PerExpert needs a 3-D expert bank [experts, rows, cols], got shape {list(shape)}")
+            f"layout {name} needs a 3-D expert bank [experts, rows, cols], got shape {list(shape)}")
 
 
 @dataclass(frozen=True)
@@ -80,3 +81,70 @@ def dequantize_expert(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     if q.device.type == "cpu":
         return fp8_to(q.contiguous(), dtype, scale.reshape(()), out)
     return dequantize_eager(q, scale.reshape(()), None, dtype, True, out)
+
+
+@dataclass(frozen=True)
+class NVFP4Bank(LayoutBase):
+    """An expert bank of NVFP4 matrices, each stored exactly as a 2-D ``NVFP4(rows, cols)`` weight
+    (``nvfp4.py``): qdata uint8 ``[E, R, C / 2]``, scale uint8 ``[E, n]`` (expert e's block scale bytes, then
+    its float32 tensor scale, so a file's tensor scale may be one per expert or shared). ``rows x cols`` is
+    one expert's logical shape; the number of experts is the data's first dimension."""
+
+    rows: int
+    cols: int
+
+    name = "nvfp4_bank"
+    family = "nvfp4"
+    data_dtypes = (torch.uint8,)
+    packed = True
+
+    def __post_init__(self):
+        NVFP4(self.rows, self.cols)  # the same checks of the sizes
+
+    @property
+    def expert_layout(self) -> NVFP4:
+        return NVFP4(self.rows, self.cols)
+
+    @classmethod
+    def for_shape(cls, shape) -> "NVFP4Bank":
+        _need_3d(shape, "NVFP4Bank")
+        return cls(int(shape[1]), int(shape[2]))
+
+    def logical_shape(self, storage_shape) -> tuple:
+        return (int(storage_shape[0]), self.rows, self.cols)
+
+    def check_parts(self, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+        lay = self.expert_layout
+        if not isinstance(qdata, torch.Tensor) or qdata.dim() != 3 or qdata.dtype != torch.uint8 \
+                or tuple(qdata.shape[1:]) != lay.storage_shape:
+            raise QuantizationError(
+                f"NVFP4 bank data for experts of shape {[self.rows, self.cols]} must be uint8 of shape "
+                f"[experts, {lay.storage_shape[0]}, {lay.storage_shape[1]}], got "
+                f"{getattr(qdata, 'dtype', type(qdata).__name__)} {list(getattr(qdata, 'shape', []))}")
+        n = qdata.shape[0]
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.uint8 \
+                or tuple(scale.shape) != (n, lay.scale_numel()):
+            raise QuantizationError(
+                f"NVFP4 bank scales for {n} experts of shape {[self.rows, self.cols]} must be uint8 of shape "
+                f"[{n}, {lay.scale_numel()}] (each expert's block scale bytes, then its float32 tensor scale), "
+                f"got {getattr(scale, 'dtype', type(scale).__name__)} {list(getattr(scale, 'shape', []))}")
+        for e in range(n):
+            try:
+                lay.check_parts(qdata[e], scale[e])
+            except QuantizationError as exc:
+                raise QuantizationError(f"expert {e}: {exc}") from exc
+
+    def quantize(self, w: torch.Tensor, fp8_dtype, generator):
+        _need_3d(w.shape, "NVFP4Bank")
+        lay = self.expert_layout
+        parts = [lay.quantize(w[e], fp8_dtype, generator) for e in range(w.shape[0])]
+        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        lay = self.expert_layout
+        if out is None:
+            out = torch.empty((q.shape[0], self.rows, self.cols), dtype=dtype, device=q.device)
+        for e in range(q.shape[0]):
+            lay.dequantize(q[e], scale[e], dtype, out[e])
+        return out

@@ -280,3 +280,56 @@ def test_bank_scale_of_wrong_shape_names_the_file_and_key(tmp_path):
     path, name, _ = _bank_file(tmp_path, torch.ones(E + 2))
     with pytest.raises(FormatError, match=rf"bank\.safetensors.*{name}\.weight_scale.*\[{E + 2}\].*expert bank"):
         formats.load_file(path)
+
+
+# -- NVFP4 banks: each expert is a 2-D NVFP4 weight as it is ---------------------------------------------
+
+NR, NC = 40, 72  # not multiples of 16: every expert carries NVFP4's padding
+
+
+def _nvfp4_bank(dtype=torch.float32):
+    from fp8_engram.quant import NVFP4Bank
+
+    w = _float_bank(9, (E, NR, NC))
+    return w, QuantizedTensor.from_float(w.to(dtype), NVFP4Bank(NR, NC))
+
+
+def test_nvfp4_bank_experts_are_the_2d_nvfp4_weights_byte_for_byte():
+    from fp8_engram.quant import NVFP4
+
+    w, bank = _nvfp4_bank()
+    assert tuple(bank.shape) == (E, NR, NC) and is_bank(bank)
+    full = bank.dequantize(torch.float32)
+    for e in range(E):
+        alone = QuantizedTensor.from_float(w[e].float(), NVFP4(NR, NC))
+        one = bank[e]
+        assert one.layout == NVFP4(NR, NC) and one.qdata.data_ptr() == bank.qdata[e].data_ptr()
+        assert torch.equal(one.qdata, alone.qdata) and torch.equal(one.scale, alone.scale)
+        assert torch.equal(full[e], alone.dequantize(torch.float32))
+    db = min(sqnr(w[e], full[e].double()) for e in range(E))
+    assert db > 17, db  # e2m1 with e4m3 group scales: about 20 dB on Gaussian weights
+
+
+def test_nvfp4_bank_products_go_expert_by_expert(monkeypatch):
+    w, bank = _nvfp4_bank(torch.bfloat16)
+    ref = bank.dequantize(torch.bfloat16)
+    x = torch.randn(E, 5, NR, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    sizes = _track_dequantize(monkeypatch)
+    y = torch.bmm(x, bank)               # [E, 5, rows] @ [E, rows, cols]
+    assert max(sizes) <= NR * NC and len(sizes) == E
+    monkeypatch.undo()
+    assert torch.equal(y, _stacked(lambda e: x[e] @ ref[e]))
+    assert sqnr(torch.bmm(x.double(), w), y) > 15
+    sub = bank[torch.tensor([3, 1])]
+    assert is_bank(sub) and torch.equal(sub.dequantize(torch.bfloat16), ref[[3, 1]])
+    t = torch.randn(4, NC, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    lin = F.linear(t, bank[2])         # ComfyUI 0.33's expert loop: an expert's NVFP4 weight in a linear
+    torch.testing.assert_close(lin, F.linear(t, ref[2]), rtol=2e-2, atol=2e-2 * float(ref[2].abs().max()))
+
+
+def test_nvfp4_bank_scales_of_wrong_shape_are_refused():
+    from fp8_engram.quant import NVFP4Bank
+
+    _, bank = _nvfp4_bank()
+    with pytest.raises(QuantizationError, match=rf"NVFP4 bank scales for {E} experts .*\[{E}, {bank.scale.shape[1] - 1}\]"):
+        QuantizedTensor.from_parts(bank.qdata, bank.scale[:, 1:], NVFP4Bank(NR, NC), orig_dtype=torch.float32)
