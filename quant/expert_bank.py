@@ -69,9 +69,10 @@ def experts(bank: QuantizedTensor, index) -> QuantizedTensor:
     return bank._replace(qdata=qdata, scale=scale)
 
 
-def _matrix(bank: QuantizedTensor, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert ``e``'s matrix dequantized into ``dtype``: the only weight memory a product holds at once."""
-    return expert(bank, e).dequantize(dtype)
+def _matrix(bank: QuantizedTensor, e: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Expert ``e``'s matrix dequantized into ``dtype`` on ``device`` (its quantized bytes move, not the
+    dequantized matrix): the only weight memory a product holds at once."""
+    return expert(bank, e).to(device).dequantize(dtype)
 
 
 def _float_dtype(t: torch.Tensor, bank: QuantizedTensor) -> torch.dtype:
@@ -109,9 +110,13 @@ def _per_expert(bank, other, bank_left: bool, batched: bool) -> torch.Tensor:
             f"product of an expert bank of shape {list(bank.shape)} with a tensor of shape "
             f"{list(other.shape)}: inner sizes differ")
     out_shape = (n, rows, other.shape[-1]) if bank_left else (n, other.shape[-2], cols)
+    if torch.is_grad_enabled() and other.requires_grad:  # out= does not record autograd: stack the products
+        return torch.stack([_matrix(bank, e, dtype, other.device) @ (other[e] if batched else other) if bank_left
+                            else (other[e] if batched else other) @ _matrix(bank, e, dtype, other.device)
+                            for e in range(n)])
     out = torch.empty(out_shape, dtype=dtype, device=other.device)
     for e in range(n):
-        w = _matrix(bank, e, dtype).to(other.device)
+        w = _matrix(bank, e, dtype, other.device)
         x = other[e] if batched else other
         torch.mm(w, x, out=out[e]) if bank_left else torch.mm(x, w, out=out[e])
         del w
@@ -155,7 +160,7 @@ def bank_einsum(equation: str, a, b) -> torch.Tensor:
     result = None
     parts = []
     for e in range(n):
-        w = _matrix(bank, e, dtype).to(other.device)
+        w = _matrix(bank, e, dtype, other.device)
         x = other.select(s_other.index(letter), e) if letter in s_other else other
         y = torch.einsum(sub_eq, w, x) if bank_first else torch.einsum(sub_eq, x, w)
         del w

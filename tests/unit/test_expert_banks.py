@@ -333,3 +333,14 @@ def test_nvfp4_bank_scales_of_wrong_shape_are_refused():
     _, bank = _nvfp4_bank()
     with pytest.raises(QuantizationError, match=rf"NVFP4 bank scales for {E} experts .*\[{E}, {bank.scale.shape[1] - 1}\]"):
         QuantizedTensor.from_parts(bank.qdata, bank.scale[:, 1:], NVFP4Bank(NR, NC), orig_dtype=torch.float32)
+
+
+def test_bmm_on_a_bank_passes_gradients_to_the_activations():
+    _, bank = _bank(PerExpert(), torch.float32)
+    ref = _plain_rule(bank, torch.float32)
+    x = torch.randn(E, IN, 3, generator=torch.Generator().manual_seed(12), requires_grad=True)
+    torch.bmm(bank, x).sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    torch.bmm(ref, x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert bank.grad is None
