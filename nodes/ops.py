@@ -31,6 +31,7 @@ from ..quant.compute import int8 as quant_int8
 from ..quant.compute.paths.int8 import sampled_conversion_sqnr_db
 from ..quant.errors import QuantizationError
 from ..quant.layouts import mxfp8, nvfp4
+from ..quant.layouts.expert import bank_at_shape
 from ..quant.runtime import release_workspace
 
 logger = logging.getLogger(__name__)
@@ -192,8 +193,8 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
 
         class MoEExperts(torch.nn.Module, comfy.ops.CastWeightBiasOp):
             """A mixture-of-experts bank with ComfyUI 0.33's interface (``expert_weight``, ``bank_resident``,
-            ``expert_linear``; gpt-oss uses it). The weight ``[E, out, in]`` is kept as the file holds it: an
-            FP8 bank (``QuantizedTensor``, per-tensor or per-expert scale) is never cast as a whole; each
+            ``expert_linear``; gpt-oss uses it). The weight ``[E, out, in]`` is kept as the file holds it: a
+            bank (``QuantizedTensor``: FP8 per-tensor or per-expert scale, or NVFP4) is never cast as a whole; each
             expert's linear takes that expert's FP8 view (moved to the input's device as FP8) through the
             pack's linear, so at most one expert is dequantized at a time. Plain weights load as in stock."""
 
@@ -222,6 +223,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                 want = (self.num_experts, self.out_features, self.in_features)
                 if w is not None:
                     if isinstance(w, QuantizedTensor):
+                        w = bank_at_shape(w, want)  # NVFP4 banks are stored padded to multiples of 16
                         if w.config is None:
                             w = w.with_config(FP8Ops.fp8_config)
                         if self.factory_device is not None:

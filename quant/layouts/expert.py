@@ -24,7 +24,7 @@ from .base import LayoutBase
 from .fp8 import _to_fp8, dequantize_eager, fp8_to
 from .nvfp4 import NVFP4
 
-__all__ = ["PerExpert", "NVFP4Bank"]
+__all__ = ["PerExpert", "NVFP4Bank", "nvfp4_file_scales", "bank_at_shape"]
 
 
 def _need_3d(shape, name: str = "PerExpert") -> None:
@@ -148,3 +148,48 @@ class NVFP4Bank(LayoutBase):
         for e in range(q.shape[0]):
             lay.dequantize(q[e], scale[e], dtype, out[e])
         return out
+
+
+def nvfp4_file_scales(weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, storage_shape):
+    """A file's NVFP4 scales -> (layout at the stored size, the QuantizedTensor's scale bytes, and per matrix
+    (its NVFP4 layout, its scale bytes) for range checks). ``storage_shape`` ``[R, C / 2]`` is a 2-D layer
+    (``nvfp4.scales_from_file``); ``[E, R, C / 2]`` an expert bank in ComfyUI 0.33's ``MoEExperts`` form:
+    ``weight_scale`` ``[E, ...]`` holds each expert's block scales as a 2-D layer's, ``weight_scale_2`` is
+    ``[E]`` (one tensor scale per expert) or one value shared by all. QuantizationError otherwise."""
+    from .nvfp4 import scales_from_file
+
+    if len(storage_shape) == 2:
+        layout, scale = scales_from_file(weight_scale, weight_scale_2, storage_shape)
+        return layout, scale, [(layout, scale)]
+    n = int(storage_shape[0])
+    if weight_scale.dim() < 2 or weight_scale.shape[0] != n:
+        raise QuantizationError(f"NVFP4 bank block scales must hold one set per expert, [{n}, ...], got "
+                                f"{list(weight_scale.shape)}")
+    if weight_scale_2.numel() not in (1, n):
+        raise QuantizationError(f"NVFP4 bank tensor scales must be [{n}] (one per expert) or one value, got "
+                                f"{list(weight_scale_2.shape)}")
+    ts = weight_scale_2.reshape(-1)
+    parts = []
+    for e in range(n):
+        try:
+            lay, s = scales_from_file(weight_scale[e], ts[e if ts.numel() == n else 0], storage_shape[1:])
+        except QuantizationError as exc:
+            raise QuantizationError(f"expert {e}: {exc}") from exc
+        parts.append(s)
+    bank = NVFP4Bank(lay.rows, lay.cols)
+    scale = torch.stack(parts)
+    return bank, scale, [(lay, s) for s in scale]
+
+
+def bank_at_shape(w, shape):
+    """An NVFP4 bank read at its padded size, given the model's true ``[E, out, in]`` (a new layout over the
+    same storage, as ``nvfp4.at_shape``); ``w`` itself when that does not apply (the caller reports a mismatch)."""
+    from .nvfp4 import padded_weight_shape
+
+    want = tuple(int(v) for v in shape)
+    lay = getattr(w, "layout", None)
+    if not isinstance(lay, NVFP4Bank) or len(want) != 3 or tuple(w.shape) == want or want[0] != w.shape[0]:
+        return w
+    if padded_weight_shape(want[1:]) != lay.expert_layout.padded:
+        return w
+    return w._replace(layout=NVFP4Bank(want[1], want[2]))

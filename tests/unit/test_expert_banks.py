@@ -344,3 +344,57 @@ def test_bmm_on_a_bank_passes_gradients_to_the_activations():
     torch.bmm(ref, x_ref).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
     assert bank.grad is None
+
+
+@pytest.mark.parametrize("shared_tensor_scale", [False, True])
+def test_nvfp4_bank_in_comfy_033_file_form_loads_as_an_nvfp4_bank(tmp_path, shared_tensor_scale):
+    import json
+
+    from safetensors.torch import save_file
+
+    from fp8_engram.quant import NVFP4, NVFP4Bank, formats
+    from fp8_engram.quant.layouts.expert import bank_at_shape
+    from fp8_engram.quant.layouts.nvfp4 import file_tensors
+
+    w = _float_bank(13, (E, NR, NC))
+    mats = [QuantizedTensor.from_float(w[e].float(), NVFP4(NR, NC)) for e in range(E)]
+    if shared_tensor_scale:  # one tensor scale for every expert: requantize each with the bank's
+        from fp8_engram.quant.layouts.nvfp4 import join_scales, split_scales
+        ts = max(float(split_scales(m.scale, m.layout)[1]) for m in mats)
+        mats = [m._replace(scale=join_scales(split_scales(m.scale, m.layout)[0], torch.tensor(ts))) for m in mats]
+    parts = [file_tensors(m) for m in mats]
+    name = "model.layers.0.mlp.experts.down_proj"
+    sd = {name + ".weight": torch.stack([p["weight"] for p in parts]),
+          name + ".weight_scale": torch.stack([p["weight_scale"] for p in parts]),
+          name + ".weight_scale_2": (parts[0]["weight_scale_2"].reshape(()) if shared_tensor_scale
+                                     else torch.stack([p["weight_scale_2"].reshape(()) for p in parts])),
+          name + ".comfy_quant": torch.tensor(list(json.dumps({"format": "nvfp4", "num_experts": E}).encode()),
+                                              dtype=torch.uint8)}
+    path = tmp_path / "nvfp4_bank.safetensors"
+    save_file(sd, str(path))
+    loaded, report = formats.load_file(path, orig_dtype=torch.float32)
+    bank = bank_at_shape(loaded[name + ".weight"], (E, NR, NC))  # the file holds the padded size
+    assert is_bank(bank) and bank.layout == NVFP4Bank(NR, NC) and tuple(bank.shape) == (E, NR, NC)
+    assert report.granularities.get("nvfp4") == 1
+    for e in range(E):
+        assert torch.equal(bank[e].dequantize(torch.float32), mats[e].dequantize(torch.float32))
+
+
+def test_nvfp4_bank_file_with_wrong_tensor_scales_names_the_key(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from fp8_engram.quant import NVFP4, formats
+    from fp8_engram.quant.errors import FormatError
+    from fp8_engram.quant.layouts.nvfp4 import file_tensors
+
+    parts = [file_tensors(QuantizedTensor.from_float(torch.randn(32, 32), NVFP4(32, 32))) for _ in range(3)]
+    name = "experts.gate_up_proj"
+    sd = {name + ".weight": torch.stack([p["weight"] for p in parts]),
+          name + ".weight_scale": torch.stack([p["weight_scale"] for p in parts]),
+          name + ".weight_scale_2": torch.ones(2),
+          name + ".comfy_quant": torch.tensor(list(json.dumps({"format": "nvfp4"}).encode()), dtype=torch.uint8)}
+    save_file(sd, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(FormatError, match=rf"bad\.safetensors.*{name}\.weight_scale.*tensor scales must be \[3\]"):
+        formats.load_file(tmp_path / "bad.safetensors")
