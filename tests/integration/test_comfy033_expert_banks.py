@@ -190,3 +190,32 @@ def test_the_packs_moe_experts_refuses_a_bank_of_another_shape_naming_the_file(a
     with pytest.raises(RuntimeError, match=rf"tiny\.safetensors: size mismatch for weight: file has "
                                            rf"\[{E}, {H}, {I}\].*\[{E}, {I}, {H}\]"):
         layer.load_state_dict({"weight": bank, "bias": torch.zeros(E, I)})
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_comfyui_033_reads_the_same_bank_files_to_the_same_bits(gpt_oss, fmt):
+    """The file form the pack reads is ComfyUI 0.33's own: its MoEExperts loads the same tensors and
+    dequantizes every expert to the pack's bits."""
+    import comfy.ops
+
+    from fp8_engram.quant import NVFP4, PerExpert, QuantizedTensor
+    from fp8_engram.quant.layouts.nvfp4 import file_tensors
+
+    out, inp = 64, 32
+    w = torch.randn(E, out, inp, generator=torch.Generator().manual_seed(14)) * torch.logspace(-2, 0, E).reshape(E, 1, 1)
+    if fmt == "fp8":
+        q = QuantizedTensor.from_float(w, PerExpert())
+        sd = {"weight": q.qdata, "weight_scale": q.scale.reshape(E)}
+        ours = list(q.dequantize(torch.float32))
+    else:
+        mats = [QuantizedTensor.from_float(w[e], NVFP4(out, inp)) for e in range(E)]
+        parts = [file_tensors(m) for m in mats]
+        sd = {k: torch.stack([p[k] for p in parts]) for k in ("weight", "weight_scale", "weight_scale_2")}
+        ours = [m.dequantize(torch.float32) for m in mats]
+    cq = {"format": "float8_e4m3fn" if fmt == "fp8" else "nvfp4", "num_experts": E}
+    sd["comfy_quant"] = torch.tensor(list(json.dumps(cq).encode()), dtype=torch.uint8)
+    sd["bias"] = torch.zeros(E, out)
+    stock = comfy.ops.mixed_precision_ops({}, torch.float32).MoEExperts(E, inp, out, bias=True, dtype=torch.float32)
+    stock.load_state_dict(sd)
+    for e in range(E):
+        assert torch.equal(stock.expert_weight(e).dequantize().float(), ours[e])
