@@ -1,8 +1,9 @@
 """A tiny gpt-oss text encoder (ComfyUI 0.33's Lens encoder, comfy/text_encoders/gpt_oss.py) whose MoE expert
 banks are FP8 with one scale per expert, or NVFP4, read by the pack's loader (``formats.load_file``) and built with the
-pack's operations (``make_fp8_ops``, whose ``MoEExperts`` keeps each bank FP8), in process with the 0.33 tree.
-It encodes like the float encoder with the dequantized banks, and close to the float original. Skipped on
-trees without gpt-oss (0.3.75)."""
+pack's operations (``make_fp8_ops``, whose ``MoEExperts`` keeps each bank quantized), in process with the 0.33
+tree: built directly and through ``comfy.sd.load_text_encoder_state_dicts`` (the Load FP8 Text Encoder path, with
+a word-level tokenizer and the tiny size passed in model_options). It encodes bit for bit like the stock encoder
+with the dequantized banks, and close to the float original. Tests that need gpt-oss skip on 0.3.75."""
 
 from __future__ import annotations
 
@@ -219,3 +220,53 @@ def test_comfyui_033_reads_the_same_bank_files_to_the_same_bits(gpt_oss, fmt):
     stock.load_state_dict(sd)
     for e in range(E):
         assert torch.equal(stock.expert_weight(e).dequantize().float(), ours[e])
+
+
+def _tiny_tokenizer_json() -> torch.Tensor:
+    """A word-level tokenizer over "w0".."w94" (unknown words -> 0), as the uint8 JSON tensor Lens encoders carry."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(CFG["vocab_size"] - 1)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return torch.tensor(list(tok.to_str().encode()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_text_encoder_loader_path_encodes_a_prompt_like_the_float_encoder(gpt_oss, tmp_path, fmt):
+    """What Load FP8 Text Encoder does (formats.load_file, then comfy.sd.load_text_encoder_state_dicts with the
+    pack's operations), with the tiny size given through model_options, then a prompt through the Lens template:
+    equal to the stock encoder with the dequantized banks, in the dtype ComfyUI picks for the encoder."""
+    import comfy.sd
+
+    from fp8_engram.nodes.ops import make_fp8_ops
+    from fp8_engram.quant import QuantizedTensor, formats
+
+    tj = _tiny_tokenizer_json()
+    ref_sd = float_sd()
+    path = tmp_path / f"tiny_lens_{fmt}.safetensors"
+    banks = write_quantized_file(path, ref_sd, fmt)
+    sd, _ = formats.load_file(path, orig_dtype=torch.float32)
+
+    def encode_prompt(state_dict, operations=None):
+        options = {"gpt_oss_config": CFG, "selected_layers": LAYERS, "txt_offset": 0}
+        if operations is not None:
+            options["custom_operations"] = operations
+        clip = comfy.sd.load_text_encoder_state_dicts([{**state_dict, "tokenizer_json": tj}], model_options=options)
+        with torch.inference_mode():
+            cond = clip.encode_from_tokens(clip.tokenize("w1 w5 w9 w33 w2 w70"), return_dict=True)["cond"]
+        return clip, cond.detach().float()
+
+    clip, y_q = encode_prompt(sd, make_fp8_ops(source=path.name))
+    encoder_dtype = clip.cond_stage_model.gpt_oss.dtype
+    assert isinstance(clip.cond_stage_model.gpt_oss.transformer.layers[1].mlp.experts.down_proj.weight,
+                      QuantizedTensor)
+    # the banks dequantized straight into the encoder's dtype, as the expert loop does (NVFP4's rule rounds in
+    # the output dtype, so float32 values cast to float16 would be other numbers)
+    _, y_deq = encode_prompt({**ref_sd, **{k: sd[k].dequantize(encoder_dtype) for k in banks}})
+    _, y_float = encode_prompt(ref_sd)
+    assert y_q.shape == y_float.shape and y_q.shape[-1] == len(LAYERS) * H
+    assert torch.equal(y_q, y_deq)
+    db = sqnr(y_float, y_q)
+    logging.getLogger(__name__).info("%s banks, prompt through comfy.sd: %.1f dB against the float encoder", fmt, db)
+    assert db > (15 if fmt == "fp8" else 8), db
