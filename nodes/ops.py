@@ -244,6 +244,31 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                 elif w is not None and key in missing_keys:
                     missing_keys.remove(key)
 
+            # -- weight patches (LoRA ...): the whole bank dequantized for the patch, requantized into its layout
+            def convert_weight(self, weight, inplace=False, **kwargs):
+                if isinstance(weight, QuantizedTensor):
+                    return weight.dequantize(torch.float32)
+                return weight
+
+            def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
+                cur = self.weight
+                if not isinstance(cur, QuantizedTensor):
+                    new = weight.to(dtype=cur.dtype, device=cur.device)
+                    if return_weight:
+                        return new
+                    self.weight = torch.nn.Parameter(new, requires_grad=False)
+                    return None
+                rounding = seed if (FP8Ops.fp8_stochastic_rounding and seed is not None) else None
+                fp8 = torch.float8_e4m3fn if cur.layout.packed else cur.fp8_dtype
+                new = QuantizedTensor.from_float(weight.to(device=cur.qdata.device, dtype=torch.float32), cur.layout,
+                                                 fp8_dtype=fp8, stochastic_rounding=rounding)
+                new = new._replace(orig_dtype=cur.orig_dtype, config=cur.config)
+                if return_weight:
+                    return new.dequantize(weight.dtype if weight.dtype.is_floating_point and weight.dtype.itemsize >= 2
+                                          else cur.orig_dtype)
+                self.weight = torch.nn.Parameter(new, requires_grad=False)
+                return None
+
             def expert_weight(self, i: int):
                 """Expert i's weight: a 2-D QuantizedTensor view of the bank's FP8 bytes, or a plain slice."""
                 if self.weight is None:

@@ -270,3 +270,22 @@ def test_text_encoder_loader_path_encodes_a_prompt_like_the_float_encoder(gpt_os
     db = sqnr(y_float, y_q)
     logging.getLogger(__name__).info("%s banks, prompt through comfy.sd: %.1f dB against the float encoder", fmt, db)
     assert db > (15 if fmt == "fp8" else 8), db
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_patched_bank_is_requantized_into_its_layout(any_tree, fmt):
+    """ComfyUI's weight patching (LoRA) goes through convert_weight / set_weight: the bank stays a bank of its layout."""
+    from fp8_engram.nodes.ops import make_fp8_ops
+    from fp8_engram.quant import NVFP4Bank, PerExpert, QuantizedTensor
+
+    layout = PerExpert() if fmt == "fp8" else NVFP4Bank(2 * I, H)
+    w = torch.randn(E, 2 * I, H, generator=torch.Generator().manual_seed(15)) * 0.1
+    layer = make_fp8_ops().MoEExperts(E, H, 2 * I, bias=False, dtype=torch.float32)
+    layer.load_state_dict({"weight": QuantizedTensor.from_float(w, layout)})
+    base = layer.convert_weight(layer.weight)
+    assert base.dtype == torch.float32 and tuple(base.shape) == (E, 2 * I, H)
+    delta = torch.randn(E, 2 * I, H, generator=torch.Generator().manual_seed(16)) * 0.01
+    layer.set_weight(base + delta)
+    new = layer.weight
+    assert isinstance(new, QuantizedTensor) and new.layout == layout and tuple(new.shape) == (E, 2 * I, H)
+    assert sqnr(base + delta, new.dequantize(torch.float32)) > (28 if fmt == "fp8" else 17)
