@@ -19,8 +19,8 @@ QUANT_FLOORS = (
      "one module per layout family, and the registry: scale math, eager twins, shape checks, file forms"),
     ("kernels", ("kernels/",),
      "Triton kernels beside their twins, and their custom ops for torch.compile"),
-    ("tensor", ("tensor", "dispatch"),
-     "QuantizedTensor and its generic op tables"),
+    ("tensor", ("tensor", "dispatch", "expert_bank"),
+     "QuantizedTensor, its generic op tables and the expert-bank ops"),
     ("compute", ("compute/",),
      "the registry of linear paths (paths/), proving a product once (prove.py), the verdict book and its file, "
      "scaled-matmul probing"),

@@ -18,6 +18,7 @@ Options live on the fresh class only (never on a shared class), so two loads nev
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import comfy.model_management
@@ -30,6 +31,7 @@ from ..quant.compute import int8 as quant_int8
 from ..quant.compute.paths.int8 import sampled_conversion_sqnr_db
 from ..quant.errors import QuantizationError
 from ..quant.layouts import mxfp8, nvfp4
+from ..quant.layouts.expert import bank_at_shape
 from ..quant.runtime import release_workspace
 
 logger = logging.getLogger(__name__)
@@ -188,6 +190,111 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                 else:
                     self.weight = torch.nn.Parameter(new, requires_grad=False)
                 return None
+
+        class MoEExperts(torch.nn.Module, comfy.ops.CastWeightBiasOp):
+            """A mixture-of-experts bank with ComfyUI 0.33's interface (``expert_weight``, ``bank_resident``,
+            ``expert_linear``; gpt-oss uses it). The weight ``[E, out, in]`` is kept as the file holds it: a
+            bank (``QuantizedTensor``: FP8 per-tensor or per-expert scale, or NVFP4) is never cast as a whole; each
+            expert's linear takes that expert's FP8 view (moved to the input's device as FP8) through the
+            pack's linear, so at most one expert is dequantized at a time. Plain weights load as in stock."""
+
+            def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True,
+                         device=None, dtype=None):
+                torch.nn.Module.__init__(self)
+                self.num_experts = num_experts
+                self.in_features = in_features
+                self.out_features = out_features
+                self.factory_dtype = dtype
+                self.factory_device = device
+                self.register_parameter("weight", None)
+                if bias:
+                    self.bias = torch.nn.Parameter(torch.empty(num_experts, out_features, device=device, dtype=dtype),
+                                                   requires_grad=False)
+                else:
+                    self.register_parameter("bias", None)
+
+            def reset_parameters(self):
+                return None
+
+            def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs):
+                key = prefix + "weight"
+                w = state_dict.pop(key, None)
+                want = (self.num_experts, self.out_features, self.in_features)
+                if w is not None:
+                    if isinstance(w, QuantizedTensor):
+                        w = bank_at_shape(w, want)  # NVFP4 banks are stored padded to multiples of 16
+                        if w.config is None:
+                            w = w.with_config(FP8Ops.fp8_config)
+                        if self.factory_device is not None:
+                            w = move_quantized(w, self.factory_device)
+                    else:
+                        dtype = self.factory_dtype if self.factory_dtype is not None else w.dtype
+                        w = w.to(device=self.factory_device or w.device, dtype=dtype)
+                    if tuple(w.shape) != want:
+                        where = f"{FP8Ops.fp8_source}: " if FP8Ops.fp8_source else ""
+                        error_msgs.append(f"{where}size mismatch for {key}: file has {list(w.shape)}, the model "
+                                          f"expects an expert bank {list(want)} [experts, out, in]")
+                    else:
+                        self.weight = torch.nn.Parameter(w, requires_grad=False)
+                super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                              unexpected_keys, error_msgs)
+                if w is None and key not in missing_keys:
+                    missing_keys.append(key)
+                elif w is not None and key in missing_keys:
+                    missing_keys.remove(key)
+
+            # -- weight patches (LoRA ...): the whole bank dequantized for the patch, requantized into its layout
+            def convert_weight(self, weight, inplace=False, **kwargs):
+                if isinstance(weight, QuantizedTensor):
+                    return weight.dequantize(torch.float32)
+                return weight
+
+            def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
+                cur = self.weight
+                if not isinstance(cur, QuantizedTensor):
+                    new = weight.to(dtype=cur.dtype, device=cur.device)
+                    if return_weight:
+                        return new
+                    self.weight = torch.nn.Parameter(new, requires_grad=False)
+                    return None
+                rounding = seed if (FP8Ops.fp8_stochastic_rounding and seed is not None) else None
+                fp8 = torch.float8_e4m3fn if cur.layout.packed else cur.fp8_dtype
+                new = QuantizedTensor.from_float(weight.to(device=cur.qdata.device, dtype=torch.float32), cur.layout,
+                                                 fp8_dtype=fp8, stochastic_rounding=rounding)
+                new = new._replace(orig_dtype=cur.orig_dtype, config=cur.config)
+                if return_weight:
+                    return new.dequantize(weight.dtype if weight.dtype.is_floating_point and weight.dtype.itemsize >= 2
+                                          else cur.orig_dtype)
+                self.weight = torch.nn.Parameter(new, requires_grad=False)
+                return None
+
+            def expert_weight(self, i: int):
+                """Expert i's weight: a 2-D QuantizedTensor view of the bank's FP8 bytes, or a plain slice."""
+                if self.weight is None:
+                    raise RuntimeError("FP8 MoEExperts has no weight: the state dict did not contain it")
+                return self.weight[i]
+
+            @contextlib.contextmanager
+            def bank_resident(self, input):
+                # stock casts the whole bank here; an FP8 bank stays as it is, each expert moves on use
+                yield self
+
+            def expert_linear(self, input: torch.Tensor, i: int) -> torch.Tensor:
+                if _run_every_op is not None:
+                    _run_every_op()
+                w = self.expert_weight(i)
+                bias = None if self.bias is None else self.bias[i]
+                if isinstance(w, QuantizedTensor):
+                    w = move_quantized(w, input.device)
+                    if bias is not None:
+                        out_dtype = (w.config.compute_dtype if w.config is not None else None) or input.dtype
+                        bias = comfy.model_management.cast_to(bias, out_dtype, input.device)
+                    return quant_linear(input, w, bias)
+                w = comfy.model_management.cast_to(w, input.dtype, input.device)
+                if bias is not None:
+                    bias = comfy.model_management.cast_to(bias, input.dtype, input.device)
+                return torch.nn.functional.linear(input, w, bias)
 
     for conv in ("Conv1d", "Conv2d", "Conv3d"):
         if hasattr(base, conv):

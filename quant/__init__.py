@@ -9,10 +9,11 @@ import torch
 
 from .config import ComputeConfig
 from .errors import QuantizationError
-from .layouts import FP8_DTYPES, LAYOUTS, MXFP8, NVFP4, Block, Int8, PerRow, PerTensor
+from .layouts import FP8_DTYPES, LAYOUTS, MXFP8, NVFP4, Block, Int8, NVFP4Bank, PerExpert, PerRow, PerTensor
 from .numerics import fp8_max
 from .tensor import QuantizedTensor, _rebuild_quantized_tensor
 from . import dispatch as _dispatch  # noqa: F401  (fills the op tables)
+from . import expert_bank as _expert_bank  # noqa: F401  (the expert-bank ops)
 from .compute import default_book, fp8_supported, linear
 
 # torch.load(weights_only=True) may rebuild these: every registered layout, and a config's verdict book, which
@@ -26,6 +27,8 @@ __all__ = [
     "PerTensor",
     "PerRow",
     "Block",
+    "PerExpert",
+    "NVFP4Bank",
     "MXFP8",
     "Int8",
     "NVFP4",

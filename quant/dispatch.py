@@ -4,8 +4,9 @@
    overloads that reach dispatch under ``inference_mode``), ``copy_``,
    ``empty_like``, transposes, views where the layout allows, pinning, size checks;
 2. matmul-like ops: ``F.linear``, ``matmul``, ``mm``, ``addmm`` and their aten forms, registered
-   by the compute floor (``compute/matmul.py``, routed to ``compute.linear``); ``bmm`` and
-   convolutions run weight-only here (dequantized into the input's dtype, quietly);
+   by the compute floor (``compute/matmul.py``, routed to ``compute.linear``); convolutions run
+   weight-only here (dequantized into the input's dtype, quietly); expert banks (3-D weights: indexing,
+   ``bmm``, ``matmul``, ``einsum``) go expert by expert in ``expert_bank.py``;
 3. anything else: ``tensor.dequantize_fallback`` (logged once per op).
 """
 
@@ -18,7 +19,6 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from .errors import QuantizationError
-from .runtime import log_once
 from .tensor import ATEN_OPS, TORCH_FUNCTIONS, QuantizedTensor, _companion_dtype, dequantize_fallback
 
 logger = logging.getLogger(__name__)
@@ -263,9 +263,3 @@ for _conv in (F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose
 def _aten_convolution(func, args, kwargs):
     return dequantize_fallback(func, args, kwargs, quiet=True)
 
-
-@implements(aten.bmm.default)
-def _aten_bmm(func, args, kwargs):
-    # a 2-D weight never reaches bmm in a linear; batched products just use the dequantized data
-    log_once(logger, ("bmm", "dequantize"), logging.DEBUG, "QuantizedTensor: bmm runs on dequantized data")
-    return dequantize_fallback(func, args, kwargs, quiet=True)

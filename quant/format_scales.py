@@ -12,6 +12,7 @@ import math
 import torch
 
 from .format_report import FLOAT_DTYPES, _fp8_name
+from .layouts.expert import PerExpert
 from .layouts.nvfp4 import E2M1_MAX
 from .safetensors_file import _err, _is_int, _short
 
@@ -83,6 +84,22 @@ def infer_layout(path, scale_key: str, weight_shape, scale_shape, source: str,
                f"[ceil(out/r), ceil(in/c)] ([{out}, n, 1] for musubi) with a block r x c of {known}"
                + (f" or the declared {block_hint[0]}x{block_hint[1]}" if block_hint is not None else
                   ", or one the file declares in quantization_config weight_block_size"))
+
+
+def infer_bank_layout(path, scale_key: str, weight_shape, scale_shape, comfy_format=None):
+    """Map a scale shape to (granularity, None, normalized scale shape, layout or None) for a 3-D FP8 expert bank
+    [experts, rows, cols]: one scale ("tensor") or one per expert ("expert", PerExpert); others are refused."""
+    n = weight_shape[0]
+    sshape = tuple(scale_shape)
+    if comfy_format not in (None, "float8_e4m3fn", "float8_e5m2"):
+        raise _err(path, scale_key, f"expert bank of shape {list(weight_shape)} in format {comfy_format}",
+                   "an FP8 expert bank (float8_e4m3fn or float8_e5m2) with a per-tensor or per-expert scale")
+    if math.prod(sshape) == 1 and len(sshape) <= 3 and (n != 1 or sshape != (1,)):
+        return "tensor", None, (), None
+    if sshape in ((n,), (n, 1, 1)):
+        return "expert", None, (n, 1, 1), PerExpert()
+    raise _err(path, scale_key, f"scale shape {list(sshape)} fits no layout for the expert bank of shape "
+               f"{list(weight_shape)}", f"[] or [1] (per tensor), or [{n}] or [{n}, 1, 1] (one scale per expert)")
 
 
 def _check_scale_values(path, key: str, t: torch.Tensor) -> torch.Tensor:

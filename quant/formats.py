@@ -51,7 +51,8 @@ import torch
 from .errors import FormatError, QuantizationError
 from .layouts import awq, layout_for, mxfp8, svdquant
 from .layouts.comfy_int8 import INT8_FORMATS, plan_layer
-from .layouts.nvfp4 import GROUP as NVFP4_GROUP, scales_from_file as nvfp4_scales_from_file, split_scales
+from .layouts.expert import nvfp4_file_scales
+from .layouts.nvfp4 import GROUP as NVFP4_GROUP, split_scales
 from .tensor import QuantizedTensor
 from .format_report import (  # noqa: F401 - format names and report types are part of this module's API
     BLOCKWISE_INV, COMFY_FORMATS, COMFY_METADATA, COMFY_PER_LAYER, COMFY_SCALED, FLOAT_DTYPES, FP8_BY_NAME,
@@ -59,10 +60,11 @@ from .format_report import (  # noqa: F401 - format names and report types are p
     _fp8_name, _make_report)
 from .format_scales import (  # noqa: F401
     KNOWN_BLOCKS, _check_declared_group, _check_scale_values, block_grid, check_nvfp4_range, check_scale_range,
-    infer_layout, nvfp4_by_tensors)
+    infer_bank_layout, infer_layout, nvfp4_by_tensors)
 from .safetensors_file import (  # noqa: F401
     MAX_COMFY_QUANT_BYTES, MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_METADATA_JSON_BYTES, ST_DTYPES, ST_NAMES,
-    SafetensorsHeader, TensorEntry, _err, _FileReader, _is_int, _loads, _MappedReader, _short, read_header)
+    SafetensorsHeader, TensorEntry, _err, _FileReader, _is_int, _loads, _MappedReader, _parse_json_metadata, _short,
+    read_header)
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +81,6 @@ _UNSUPPORTED_SUFFIXES = (".weight_scale_2", ".weight_zero_point", ".weight_globa
 _NVFP4_LIKE_SUFFIXES = (".weight_scale_2", ".weight_global_scale")
 # how UE8M0 (MXFP8) scales are stored: safetensors' F8_E8M0 where torch has it, else their bytes
 _E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if d is not None)
-
-
-def _parse_json_metadata(path, key: str, text: str, what: str):
-    if len(text) > MAX_METADATA_JSON_BYTES:
-        raise _err(path, key, f"metadata value is {len(text):,} characters long",
-                   f"at most {MAX_METADATA_JSON_BYTES:,} ({what})")
-    return _loads(path, key, text, what)
 
 
 def _layer_name(weight_key: str) -> str:
@@ -214,8 +209,9 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         if not is_fp8:
             raise _err(path, wk, f"weight has dtype {_fp8_name(e.dtype)} but the file gives it a quantization scale",
                        "a float8_e4m3fn or float8_e5m2 weight")
-        if len(e.shape) != 2:
-            raise _err(path, wk, f"quantized weight has shape {list(e.shape)}", "a 2-D linear weight [out, in]")
+        if len(e.shape) not in (2, 3):
+            raise _err(path, wk, f"quantized weight has shape {list(e.shape)}",
+                       "a 2-D linear weight [out, in] or a 3-D expert bank [experts, rows, cols]")
         full_precision_mm = False
         comfy_format = None
         extra: list[str] = []
@@ -278,7 +274,11 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         suffix = present[0]
         scale_key = name + suffix
         se = T[scale_key]
-        if comfy_format == MXFP8_FORMAT:
+        bank_layout = None
+        if len(e.shape) == 3:  # a mixture-of-experts bank: one scale, or one per expert
+            gran, block, norm_shape, bank_layout = infer_bank_layout(path, scale_key, e.shape, se.shape, comfy_format)
+            scale = _check_scale_values(path, scale_key, rd.get(scale_key)).reshape(norm_shape)
+        elif comfy_format == MXFP8_FORMAT:
 
             if has_cq:
                 _check_declared_group(path, cq_key, cq, MXFP8_FORMAT, mxfp8.BLOCK)
@@ -313,7 +313,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
         consumed.update(extra)
         scales[wk] = scale
         layers[wk] = LayerInfo(name, source, gran, block, e.dtype, tuple(e.shape), wk, scale_key, in_key,
-                               full_precision_mm, tuple(extra))
+                               full_precision_mm, tuple(extra), layout=bank_layout)
 
     for name in meta_own:
         if name + ".weight" not in T:
@@ -326,7 +326,8 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
                            "metadata lists a layer the file does not hold", f"a tensor '{name}.weight'")
 
     uses_scales = bool(layers)
-    # ---- fp8 2-D weights without any scale
+    # ---- fp8 2-D weights without any scale (a 3-D one may as well be a Conv1d kernel as an expert bank: it
+    # stays a plain tensor, as before)
     for wk in sorted(weight_keys - set(layers)):
         e = T[wk]
         if e.dtype not in FP8_DTYPES or len(e.shape) != 2:
@@ -430,11 +431,12 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
             raise _err(path, name + ".pre_quant_scale", "NVFP4 layers with a pre-quantization input scale (AWQ "
                        "smoothing) are not supported", "an NVFP4 layer without '.pre_quant_scale'")
         e = T[wk]
-        if e.dtype != torch.uint8 or len(e.shape) != 2 or e.shape[0] % NVFP4_GROUP or (2 * e.shape[1]) % NVFP4_GROUP:
+        if e.dtype != torch.uint8 or len(e.shape) not in (2, 3) or e.shape[-2] % NVFP4_GROUP \
+                or (2 * e.shape[-1]) % NVFP4_GROUP:
             raise _err(path, wk, f"NVFP4 weight has dtype {_fp8_name(e.dtype)} and shape {list(e.shape)}",
-                       f"uint8 [R, C / 2] with R and C multiples of {NVFP4_GROUP}")
+                       f"uint8 [R, C / 2] (an expert bank: [E, R, C / 2]) with R and C multiples of {NVFP4_GROUP}")
         try:
-            layout, scale = nvfp4_scales_from_file(rd.get(sk), rd.get(s2k), e.shape)
+            layout, scale, pieces = nvfp4_file_scales(rd.get(sk), rd.get(s2k), e.shape)
         except QuantizationError as exc:
             unmarked = ("; the layer has no comfy_quant, so it was taken for ComfyUI's NVFP4 form by its tensors, "
                         "but its block scales are not laid out as that form lays them out (modelopt and "
@@ -442,12 +444,14 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
                         "read)") if source == NVFP4_BY_TENSORS else ""
             raise _err(path, sk, f"bad NVFP4 scales ({exc}){unmarked}",
                        "e4m3 block scales in cuBLAS's 128x4 tiled order and one finite float32 scale > 0") from exc
-        block, ts = split_scales(scale, layout)
-        check_nvfp4_range(path, s2k, block, float(ts), compute_dtype)
+        for lay, piece in pieces:  # one 2-D layer, or each expert of a bank
+            block, ts = split_scales(piece, lay)
+            check_nvfp4_range(path, s2k, block, float(ts), compute_dtype)
         extra = [s2k] + [k for k in [cq_key] + [name + s for s in _INPUT_SCALE_SUFFIXES] if k in T]
-        shape = (int(e.shape[0]), int(e.shape[1]) * 2)
+        shape = (*(int(v) for v in e.shape[:-1]), int(e.shape[-1]) * 2)
         info = LayerInfo(name, source, "nvfp4", None, torch.uint8, shape, wk, sk, None,
-                         bool(cq.get("full_precision_matrix_mult", False)), tuple(extra))
+                         bool(cq.get("full_precision_matrix_mult", False)), tuple(extra),
+                         layout=layout if len(e.shape) == 3 else None)
         found[wk] = (info, scale)
     return found
 

@@ -290,3 +290,11 @@ class _MappedReader:
 
     def close(self) -> None:
         self._handle = None  # the mapping lives as long as the tensors made from it
+
+
+def _parse_json_metadata(path, key: str, text: str, what: str):
+    """A JSON value of the header's ``__metadata__`` (a string), refused above MAX_METADATA_JSON_BYTES."""
+    if len(text) > MAX_METADATA_JSON_BYTES:
+        raise _err(path, key, f"metadata value is {len(text):,} characters long",
+                   f"at most {MAX_METADATA_JSON_BYTES:,} ({what})")
+    return _loads(path, key, text, what)

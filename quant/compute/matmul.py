@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import _is_qt, _plain, aten, implements, implements_torch_function
+from ..expert_bank import bank_matmul, is_bank
 from .linear import linear
 
 __all__ = []
@@ -18,6 +19,8 @@ __all__ = []
 
 def _matmul(a, b):
     """a @ b where either side may be a QuantizedTensor; routes to linear() when it is one."""
+    if is_bank(a) or is_bank(b):  # a 3-D expert bank: expert by expert
+        return bank_matmul(a, b)
     if _is_qt(b) and not _is_qt(a) and b.dim() == 2 and b.transposed:
         # x @ W.t()  ==  linear(x, W)   (the common case; any rank of x)
         return linear(a, b.canonical())

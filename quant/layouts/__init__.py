@@ -5,6 +5,8 @@
     nvfp4.py       NVFP4(rows, cols): packed e2m1 data with e4m3 block and float32 tensor scales
     int8.py        Int8(per_row, rotation, ...): int8 data, optional block Hadamard rotation of K
     comfy_int8.py  ComfyUI 0.33's int8 file forms (int8_tensorwise, convrot_w4a4, asym_w4a8_int8)
+    expert.py      PerExpert: a 3-D FP8 expert bank [E, rows, cols] with one float32 scale per expert;
+                   NVFP4Bank: E NVFP4 matrices in their 2-D form
     awq.py         AWQW4A16(rows, cols, group): unsigned 4-bit codes, a float scale and zero per group (kitchen 0.2.40)
     svdquant.py    SVDQuantW4A4: signed 4-bit tiles, smoothing and a low-rank branch (kitchen 0.2.40), read as its
                    effective weight
@@ -23,6 +25,7 @@ from .awq import AWQW4A16
 from .awq import unfit_reason as awq_unfit_reason
 from .base import FP8_DTYPES, LayoutBase, check_fp8_dtype
 from .comfy_int8 import DEFAULT_CONVROT
+from .expert import NVFP4Bank, PerExpert
 from .fp8 import Block, PerRow, PerTensor, fp8_to
 from .int8 import Int8
 from .mxfp8 import MXFP8
@@ -30,11 +33,11 @@ from .nvfp4 import NVFP4
 from .svdquant import SVDQuantW4A4
 
 __all__ = ["LAYOUTS", "GRANULARITIES", "is_layout", "check_layout", "layout_for", "unfit_reason", "LayoutBase",
-           "PerTensor", "PerRow", "Block", "MXFP8", "NVFP4", "Int8", "AWQW4A16", "SVDQuantW4A4", "FP8_DTYPES", "check_fp8_dtype",
+           "PerTensor", "PerRow", "Block", "PerExpert", "NVFP4Bank", "MXFP8", "NVFP4", "Int8", "AWQW4A16", "SVDQuantW4A4", "FP8_DTYPES", "check_fp8_dtype",
            "fp8_to", "QuantizationError"]
 
 # The registry: one line per layout class (MXFP8 before Block, of which it is a special case).
-LAYOUTS = (PerTensor, PerRow, MXFP8, Block, NVFP4, Int8, AWQW4A16, SVDQuantW4A4)
+LAYOUTS = (PerTensor, PerRow, MXFP8, Block, PerExpert, NVFP4Bank, NVFP4, Int8, AWQW4A16, SVDQuantW4A4)
 
 # Granularity names (what quantize_model, convert and the nodes offer) -> how to make the layout:
 # fn(block, shape) -> layout; shape-bound layouts (NVFP4) give None without a shape (one per weight).
@@ -61,7 +64,7 @@ def is_layout(obj) -> bool:
 def check_layout(layout) -> None:
     if not is_layout(layout):
         raise QuantizationError(
-            f"layout must be PerTensor(), PerRow(), Block(rows, cols) or Int8(...), got {layout!r}"
+            f"layout must be PerTensor(), PerRow(), Block(rows, cols), PerExpert() or Int8(...), got {layout!r}"
         )
 
 
