@@ -25,7 +25,7 @@ from ..runtime import tracing, workspace
 from .base import FP8_DTYPES, LayoutBase, check_fp8_dtype  # noqa: F401 - FP8_DTYPES, check_fp8_dtype re-exported
 
 __all__ = ["FP8_DTYPES", "PerTensor", "PerRow", "Block", "Layout", "fp8_to", "check_fp8_dtype",
-           "dequantize_eager"]
+           "dequantize_eager", "mul_blocks"]
 
 
 # Mantissa bits and smallest normal exponent, for stochastic rounding onto the FP8 grid.
@@ -53,14 +53,34 @@ def _all_codes(fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype)
 
 
-def _cpu_pair_lut(q: torch.Tensor, dtype: torch.dtype, scale, out=None) -> torch.Tensor:
+# Unscaled tables (the codes' own values) are kept, one per (FP8 dtype, result dtype), at most 6 x 512 KiB:
+# row-chunked callers (the int8 conversion, tens of chunks a weight) then pay for a table once, and a chunk
+# of _PAIR_LUT_CACHED_MIN_NUMEL elements or more already gathers faster than the scalar conversion.
+_PAIR_LUT_CACHED_MIN_NUMEL = 1 << 12
+_pair_tables: dict = {}
+
+
+def _pair_table(fp8_dtype: torch.dtype, dtype: torch.dtype, scale) -> torch.Tensor:
+    key = (fp8_dtype, dtype)
+    table = _pair_tables.get(key) if scale is None else None
+    if table is not None:
+        return table
     half, word, shift, mask = _PAIR_WORD[dtype]
-    values = _all_codes(q.dtype).to(torch.float32)
+    values = _all_codes(fp8_dtype).to(torch.float32)
     if scale is not None:
         values = values * scale.to(torch.float32)
     bits = values.to(dtype).view(half).to(word) & mask
     # entry (hi << 8 | lo) holds bits[lo] in the low half (first byte, little endian), bits[hi] high
-    table = ((bits << shift)[:, None] | bits[None, :]).reshape(-1)
+    with torch.inference_mode(False), torch.no_grad():  # a kept table must not be an inference tensor
+        table = ((bits << shift)[:, None] | bits[None, :]).reshape(-1)
+    if scale is None and not tracing():
+        _pair_tables[key] = table
+    return table
+
+
+def _cpu_pair_lut(q: torch.Tensor, dtype: torch.dtype, scale, out=None) -> torch.Tensor:
+    word = _PAIR_WORD[dtype][1]
+    table = _pair_table(q.dtype, dtype, scale)
     pairs = q.reshape(-1).view(torch.int16).view(torch.uint16)
     idx = workspace("pair_lut_index", pairs.numel(), torch.int32)
     idx.copy_(pairs)
@@ -89,7 +109,7 @@ def fp8_to(q: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = Non
     if (
         q.device.type == "cpu"
         and dtype in _PAIR_WORD
-        and q.numel() >= _PAIR_LUT_MIN_NUMEL
+        and q.numel() >= (_PAIR_LUT_MIN_NUMEL if scale is not None else _PAIR_LUT_CACHED_MIN_NUMEL)
         and q.numel() % 2 == 0
         and q.is_contiguous()
         and sys.byteorder == "little"
@@ -349,7 +369,7 @@ def dequantize_eager(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.d
 _DEQUANT_CHUNK_ELEMS = 1 << 22
 
 
-def _mul_blocks(w: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> None:
+def mul_blocks(w: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> None:
     """In place ``w *= scale`` expanded over ``rows x cols`` blocks (w float32, 2-D)."""
     m, k = w.shape
     if m % rows == 0 and k % cols == 0:
@@ -372,7 +392,7 @@ def _dequantize_scaled(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: in
         )
     if dtype == torch.float32 or dtype == torch.float64:  # the product itself, no second rounding
         w = fp8_to(q, dtype, None, out)
-        _mul_blocks(w, scale.to(dtype), rows, cols)
+        mul_blocks(w, scale.to(dtype), rows, cols)
         return w
     s = scale.to(torch.float32)
     n, k = q.shape
@@ -384,6 +404,6 @@ def _dequantize_scaled(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: in
         j = min(n, i + step)
         tmp = workspace("dequant_f32", (j - i) * k, torch.float32).view(j - i, k)
         fp8_to(q[i:j], torch.float32, None, tmp)
-        _mul_blocks(tmp, s[i // rows: -(-j // rows)], rows, cols)
+        mul_blocks(tmp, s[i // rows: -(-j // rows)], rows, cols)
         out[i:j].copy_(tmp)
     return out
