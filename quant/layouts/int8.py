@@ -111,6 +111,11 @@ def _round(v: torch.Tensor, generator) -> torch.Tensor:
 
 
 _CHUNK_ELEMS = 1 << 16  # float32 elements per chunk of the CPU dequantization (256 KiB)
+# float32 elements per chunk of a per-row quantization on the CPU: its two float32 temporaries (the rows,
+# then the rotated rows) are 1 MiB each, so they stay in a core's L2 cache and bound the memory it adds
+# to the int8 result (QUANTIZE_TEMP_BYTES), whatever the weight's size.
+QUANTIZE_CHUNK_ELEMS = 1 << 18
+QUANTIZE_TEMP_BYTES = 2 * 4 * QUANTIZE_CHUNK_ELEMS
 
 
 @dataclass(frozen=True)
@@ -160,12 +165,45 @@ class Int8(LayoutBase):
         if dtype != torch.int8:
             raise QuantizationError(f"layout Int8 stores torch.int8 data, got {dtype}")
         self._check(w.shape)
+        if self.per_row and generator is None and w.device.type == "cpu" and not tracing():
+            return self.quantize_rows(tuple(w.shape), lambda i, j, out: out.copy_(w[i:j]))
         wf = w.to(torch.float32)
         if self.rotation:
             wf = unrotate(wf, self.rotation, self.regular)  # W @ H.T
         amax = wf.abs().amax(dim=1, keepdim=True) if self.per_row else wf.abs().amax()
         scale = int8_scale(amax)
         return _round(wf / scale, generator), scale
+
+    def quantize_rows(self, shape, fill, align: int = 1, chunk_elems: int = QUANTIZE_CHUNK_ELEMS):
+        """Per-row round-to-nearest quantization of a CPU weight of ``shape`` that ``fill(i, j, out)`` writes
+        as float32, rows ``i:j`` at a time (``i`` a multiple of ``align``), into ``out``: the same values as
+        :meth:`quantize` on the whole float32 weight, operation for operation per row, in chunks of about
+        ``chunk_elems`` elements. Only the int8 result, its scales and two chunk-sized float32 buffers are
+        allocated (``QUANTIZE_TEMP_BYTES`` at the default size), and each chunk is rotated, reduced and
+        rounded while it is in cache."""
+        if not self.per_row:
+            raise QuantizationError("Int8.quantize_rows quantizes per row; a per-tensor scale needs the whole weight")
+        self._check(shape)
+        n, k = shape
+        q = torch.empty((n, k), dtype=torch.int8)
+        scale = torch.empty((n, 1), dtype=torch.float32)
+        step = max(align, chunk_elems // max(k, 1) // align * align)
+        rows = workspace("int8_quantize_rows", min(n, step) * k, torch.float32)
+        turned = workspace("int8_quantize_rotated", min(n, step) * k, torch.float32) if self.rotation else None
+        h = hadamard(self.rotation, self.regular) if self.rotation else None
+        for i in range(0, n, step):
+            j = min(n, i + step)
+            w = rows[: (j - i) * k].view(j - i, k)
+            fill(i, j, w)
+            if self.rotation:  # unrotate's product: W @ H.T per block, the same matmul on fewer rows
+                b = self.rotation
+                w = torch.matmul(w.view(j - i, k // b, b), h.T,
+                                 out=turned[: (j - i) * k].view(j - i, k // b, b)).view(j - i, k)
+            # |w|'s row maximum, without an |w| temporary: the larger of max and -min (the same value)
+            s = int8_scale(torch.maximum(w.amax(dim=1, keepdim=True), w.amin(dim=1, keepdim=True).neg_()))
+            q[i:j].copy_(w.div_(s).round_().clamp_(-128.0, 127.0))
+            scale[i:j] = s
+        return q, scale
 
     def dequantize_stored(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                           out: torch.Tensor | None = None) -> torch.Tensor:
