@@ -111,11 +111,21 @@ def _round(v: torch.Tensor, generator) -> torch.Tensor:
 
 
 _CHUNK_ELEMS = 1 << 16  # float32 elements per chunk of the CPU dequantization (256 KiB)
-# float32 elements per chunk of a per-row quantization on the CPU: its two float32 temporaries (the rows,
-# then the rotated rows) are 1 MiB each, so they stay in a core's L2 cache and bound the memory it adds
-# to the int8 result (QUANTIZE_TEMP_BYTES), whatever the weight's size.
+# float32 elements per chunk of a per-row quantization on the CPU, per torch thread: each thread's share of
+# the two float32 temporaries (the rows, then the rotated rows) is 1 MiB each, so it stays in a core's L2
+# cache, and a chunk is large enough that the threads' start-up per operation does not dominate (at 2
+# threads on a busy 2-core machine a 256 Ki chunk took 1.6x the CPU time of a 1 Mi one). The memory a
+# conversion adds to its int8 result is bounded by quantize_temp_bytes(), whatever the weight's size.
 QUANTIZE_CHUNK_ELEMS = 1 << 18
-QUANTIZE_TEMP_BYTES = 2 * 4 * QUANTIZE_CHUNK_ELEMS
+
+
+def quantize_chunk_elems() -> int:
+    return QUANTIZE_CHUNK_ELEMS * max(1, torch.get_num_threads())
+
+
+def quantize_temp_bytes() -> int:
+    """Bytes of float32 temporaries a chunked per-row quantization allocates at most (two chunks)."""
+    return 2 * 4 * quantize_chunk_elems()
 
 
 @dataclass(frozen=True)
@@ -174,13 +184,14 @@ class Int8(LayoutBase):
         scale = int8_scale(amax)
         return _round(wf / scale, generator), scale
 
-    def quantize_rows(self, shape, fill, align: int = 1, chunk_elems: int = QUANTIZE_CHUNK_ELEMS):
+    def quantize_rows(self, shape, fill, align: int = 1, chunk_elems: int | None = None):
         """Per-row round-to-nearest quantization of a CPU weight of ``shape`` that ``fill(i, j, out)`` writes
         as float32, rows ``i:j`` at a time (``i`` a multiple of ``align``), into ``out``: the same values as
         :meth:`quantize` on the whole float32 weight, operation for operation per row, in chunks of about
-        ``chunk_elems`` elements. Only the int8 result, its scales and two chunk-sized float32 buffers are
-        allocated (``QUANTIZE_TEMP_BYTES`` at the default size), and each chunk is rotated, reduced and
-        rounded while it is in cache."""
+        ``chunk_elems`` elements (default :func:`quantize_chunk_elems`). Only the int8 result, its scales and
+        two chunk-sized float32 buffers are allocated (:func:`quantize_temp_bytes` at the default size), and
+        each chunk is rotated, reduced and rounded while it is in cache."""
+        chunk_elems = quantize_chunk_elems() if chunk_elems is None else chunk_elems
         if not self.per_row:
             raise QuantizationError("Int8.quantize_rows quantizes per row; a per-tensor scale needs the whole weight")
         self._check(shape)
