@@ -11,6 +11,15 @@ is measured in the same run and load as this one; the ratios are after/before.
 
     .venv/bin/python bench/int8_convert.py [--before DIR] [--shapes 3072x12288,12288x3072] [--repeats 3]
         [--threads N]
+    .venv/bin/python bench/int8_convert.py --rotations [--threads 1]
+
+--rotations times, instead, only the block rotation of one conversion chunk (1 MiB of float32 rows) over a
+3072x12288 weight's worth of elements, in three forms: the dense ``[rows*k/b, b] @ H_b`` matmul the
+conversion uses, the Kronecker-factored one (``H_b = H_a kron H_c``: a GEMM with H_c along the last axis,
+then H_a applied across it as a batched matmul: a + c multiply-adds an element instead of b), and the radix-2
+butterfly (log2(b) passes of adds and subtracts), each with its relative error against float64. Sylvester
+128 (what to_int8 uses) and the regular 256 of ComfyUI's ConvRot files (a Kronecker power of the 4x4, so
+the same factored form applies with factors that are powers of 4).
 
 Prints one line per tree and shape and, as the last line, one JSON object {"bench": "int8_convert", ...}.
 """
@@ -68,6 +77,53 @@ def child(tree: str, n: int, k: int, repeats: int, threads: int) -> None:
                       "threads": torch.get_num_threads()}))
 
 
+def rotations(threads: int) -> None:
+    sys.path.insert(0, str(ROOT / ".host" / "pkg"))
+    import torch
+
+    from fp8_engram.quant.layouts.int8 import hadamard
+
+    torch.set_num_threads(threads or torch.get_num_threads())
+    chunk, total = 1 << 18, 3072 * 12288
+    x = torch.randn(chunk, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for b, regular, (fa, fc) in ((128, False, (16, 8)), (256, True, (16, 16))):
+        h, ha, hc = hadamard(b, regular), hadamard(fa, regular), hadamard(fc, regular)
+
+        def dense(v):
+            return torch.matmul(v.view(-1, b), h.T)
+
+        def factored(v):
+            y = torch.matmul(v.view(-1, fc), hc.T).view(-1, fa, fc)
+            return torch.matmul(ha, y)  # (H_a kron H_c) v = H_a . V . H_c^T per block (H symmetric)
+
+        def butterfly(v):  # Sylvester's recursion; for the regular matrix only as a flop-count reference
+            y = v.view(-1, b).clone()
+            half = b // 2
+            while half >= 1:
+                pair = y.view(y.shape[0], -1, 2, half)
+                lo, hi = pair[:, :, 0], pair[:, :, 1]
+                s_ = lo + hi
+                hi.sub_(lo).neg_()
+                lo.copy_(s_)
+                half //= 2
+            return y.mul_(b ** -0.5)
+
+        ref = torch.matmul(x.double().view(-1, b), h.double().T)
+        for name, fn in (("dense", dense), ("factored", factored)) + ((("butterfly", butterfly),) if not regular else ()):
+            err = float((fn(x).double() - ref).norm() / ref.norm())
+            best = 1e9
+            for _ in range(3):
+                c0 = time.process_time()
+                for _ in range(total // chunk):
+                    fn(x)
+                best = min(best, time.process_time() - c0)
+            out[f"{'regular' if regular else 'sylvester'}{b}_{name}"] = {"cpu_s": round(best, 4), "rel_err": err}
+            print(f"{'regular' if regular else 'Sylvester'} {b:>3} {name:<10} cpu {best:.3f} s for {total} elements"
+                  f"  relative error vs float64 {err:.1e}  ({torch.get_num_threads()} threads)")
+    print(json.dumps({"bench": "int8_convert_rotations", "threads": torch.get_num_threads(), "results": out}))
+
+
 def run_child(tree: str, n: int, k: int, repeats: int, threads: int) -> dict:
     r = subprocess.run([sys.executable, __file__, "--child", tree, str(n), str(k), str(repeats), str(threads)],
                        capture_output=True, text=True)
@@ -82,8 +138,12 @@ def main() -> int:
     p.add_argument("--shapes", default="3072x12288,12288x3072")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: torch's default)")
+    p.add_argument("--rotations", action="store_true", help="time only the rotation's three forms (see above)")
     p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rotations:
+        rotations(args.threads)
+        return 0
     if args.child:
         tree, n, k, repeats, threads = args.child
         child(tree, int(n), int(k), int(repeats), int(threads))
