@@ -111,16 +111,19 @@ def _round(v: torch.Tensor, generator) -> torch.Tensor:
 
 
 _CHUNK_ELEMS = 1 << 16  # float32 elements per chunk of the CPU dequantization (256 KiB)
-# float32 elements per chunk of a per-row quantization on the CPU, per torch thread: each thread's share of
-# the two float32 temporaries (the rows, then the rotated rows) is 1 MiB each, so it stays in a core's L2
-# cache, and a chunk is large enough that the threads' start-up per operation does not dominate (at 2
-# threads on a busy 2-core machine a 256 Ki chunk took 1.6x the CPU time of a 1 Mi one). The memory a
-# conversion adds to its int8 result is bounded by quantize_temp_bytes(), whatever the weight's size.
+# float32 elements per chunk of a per-row quantization on the CPU. On one torch thread a chunk is 1 MiB, so
+# its two float32 temporaries (the rows, then the rotated rows) stay in the core's L2 cache while it is
+# decoded, rotated, reduced and rounded. On more threads every operation of a chunk is a parallel region,
+# whose start costs microseconds on an idle CPU but milliseconds where the cores are shared (measured on a
+# busy 2-core machine: ~4.5 ms an operation, a 1536x1536 conversion 6x slower in 1 MiB-per-thread chunks
+# than whole), so chunks are 32 MiB: a weight of up to 8 Mi elements is one chunk, Flux's largest (37.7 Mi)
+# five. Either way the memory a conversion adds to its int8 result is bounded by quantize_temp_bytes().
 QUANTIZE_CHUNK_ELEMS = 1 << 18
+QUANTIZE_PARALLEL_CHUNK_ELEMS = 1 << 23
 
 
 def quantize_chunk_elems() -> int:
-    return QUANTIZE_CHUNK_ELEMS * max(1, torch.get_num_threads())
+    return QUANTIZE_CHUNK_ELEMS if torch.get_num_threads() <= 1 else QUANTIZE_PARALLEL_CHUNK_ELEMS
 
 
 def quantize_temp_bytes() -> int:
