@@ -131,8 +131,8 @@ def child(loader: str, path: str) -> None:
             from fp8_engram.nodes.ops import make_fp8_ops
             from fp8_engram.quant import ComputeConfig, formats
 
-            cfg = {"pack_weight_only": ComputeConfig(path="weight_only"),
-                   "pack_memory_first": ComputeConfig(keep_fp8=False)}.get(loader, ComputeConfig())
+            cfg = {"pack_weight_only": lambda: ComputeConfig(path="weight_only"),
+                   "pack_memory_first": lambda: ComputeConfig(keep_fp8=False)}.get(loader, ComputeConfig)()
             sd, _ = formats.load_file(path, config=cfg, mmap=(loader == "pack_mmap"))
             model = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": make_fp8_ops(cfg)})
         t_load = time.perf_counter() - t0
