@@ -22,6 +22,7 @@ Quantization: ``scale = absmax / 127`` (zero rows get 1), ``q = clamp(round_half
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,8 @@ from ..errors import QuantizationError
 from ..runtime import tracing, workspace
 from .base import LayoutBase
 
-__all__ = ["Int8", "hadamard", "check_block", "hadamard_bytes", "rotate", "unrotate", "INT8_MAX", "int8_scale"]
+__all__ = ["Int8", "hadamard", "check_block", "hadamard_bytes", "rotate", "unrotate", "INT8_MAX", "int8_scale",
+           "rotate_factored", "kron_factors"]
 
 INT8_MAX = 127.0
 _H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
@@ -76,6 +78,35 @@ def hadamard(size: int, regular: bool = False, device=None) -> torch.Tensor:
         if not tracing():
             _hadamards[key] = h
     return h
+
+
+FACTORED_MIN_BLOCK = 256  # from here the factored rotation is faster (bench/int8_convert.py --rotations)
+
+
+def kron_factors(size: int, regular: bool = False) -> tuple[int, int]:
+    """``(a, c)``, ``a * c == size``, both powers of the seed's order (2, or 4 for the regular Hadamard) and as
+    even as can be: ``hadamard(size) == kron(hadamard(a), hadamard(c))`` (both are Kronecker powers of the
+    seed, normalized by the square roots of their sizes)."""
+    check_block(size, regular)
+    base = 4 if regular else 2
+    n = round(math.log(size, base))
+    c = base ** (n // 2)
+    return size // c, c
+
+
+def rotate_factored(x: torch.Tensor, block: int, regular: bool = False, out: torch.Tensor | None = None,
+                    scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ blockdiag(H).T`` (= :func:`unrotate`'s product) for float32 ``x`` ``[rows, k]``, as the Kronecker
+    factors ``H = H_a kron H_c`` give it: each block ``V`` (``[a, c]``) becomes ``H_a @ V @ H_c.T``, ``a + c``
+    multiply-adds an element instead of ``block`` (a 256-block: 32 instead of 256; 2.6x faster on AVX-512).
+    Equal to the dense product up to float32 rounding, not bit for bit: for conversions, never for ComfyUI's
+    dequantization rule. ``scratch`` (x's size) holds the middle product; ``out`` may be ``x`` itself."""
+    a, c = kron_factors(block, regular)
+    rows, k = x.shape
+    ha, hc = hadamard(a, regular, x.device), hadamard(c, regular, x.device)
+    mid = torch.matmul(x.reshape(-1, c), hc.T, out=None if scratch is None else scratch.view(-1, c))
+    res = torch.matmul(ha, mid.view(-1, a, c), out=None if out is None else out.view(-1, a, c))
+    return res.view(rows, k)
 
 
 def rotate(x: torch.Tensor, block: int, regular: bool = False) -> torch.Tensor:
@@ -209,7 +240,9 @@ class Int8(LayoutBase):
             j = min(n, i + step)
             w = rows[: (j - i) * k].view(j - i, k)
             fill(i, j, w)
-            if self.rotation:  # unrotate's product: W @ H.T per block, the same matmul on fewer rows
+            if self.rotation >= FACTORED_MIN_BLOCK:  # the same product by its Kronecker factors (fewer flops)
+                w = rotate_factored(w, self.rotation, self.regular, out=w, scratch=turned[: (j - i) * k])
+            elif self.rotation:  # unrotate's product: W @ H.T per block, the same matmul on fewer rows
                 b = self.rotation
                 w = torch.matmul(w.view(j - i, k // b, b), h.T,
                                  out=turned[: (j - i) * k].view(j - i, k // b, b)).view(j - i, k)

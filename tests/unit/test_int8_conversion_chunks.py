@@ -123,3 +123,24 @@ def test_a_conversion_allocates_float32_by_the_chunk_not_by_the_weight(layout, t
         w8 = qint8.to_int8(fp8)
     assert seen.largest <= lint8.quantize_temp_bytes() // 2 < 4 * fp8.qdata.numel()
     assert w8.qdata.shape == (512, 2048)
+
+
+@pytest.mark.parametrize("block,regular", [(4, False), (32, False), (128, False), (256, False), (1024, False),
+                                           (16, True), (64, True), (256, True), (1024, True)])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_the_factored_rotation_is_the_dense_one_within_float32_rounding(block, regular, rows):
+    a, c = lint8.kron_factors(block, regular)
+    assert a * c == block and max(a, c) <= 2 * min(a, c) * (2 if regular else 1)  # as even as the seed allows
+    kron = torch.kron(hadamard(a, regular).double(), hadamard(c, regular).double())
+    assert torch.allclose(kron, hadamard(block, regular).double(), rtol=0, atol=1e-7)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 3 * block, generator=g)
+    x[:, 5] *= 50.0  # an outlier channel
+    want = (x.double().view(rows, 3, block) @ hadamard(block, regular).double().T).view(rows, -1)
+    got = lint8.rotate_factored(x.clone(), block, regular)
+    dense = unrotate(x, block, regular)
+    for y in (got, dense):
+        assert float((y.double() - want).norm() / want.norm()) < 1e-6
+    assert float((got.double() - want).abs().max()) <= 64 * 2.0 ** -24 * float(want.abs().max())
+    inplace = x.clone()  # into its own input, through a scratch buffer: the chunked conversion's use
+    assert torch.equal(lint8.rotate_factored(inplace, block, regular, out=inplace, scratch=torch.empty_like(x)), got)
