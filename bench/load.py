@@ -10,9 +10,13 @@ at the end. Targets: time ratios pack/stock <= 1.0; peak RSS above baseline <= f
 The pack reads the file into its own memory (nothing stays mapped, so a file replaced under a loaded
 model cannot crash the server); `pack_mmap` is the same loader mapping the file instead (what it did
 before, and what stock does), measured in the same run so the cost of reading shows as
-`read_vs_mmap_*` ratios.
+`read_vs_mmap_*` ratios. `pack` runs the node default compute path ("auto": on a CPU with VNNI/AMX the
+layers whose calls int8 proves faster are converted at first use, inside the first step, and keep both
+forms); `pack_weight_only` is the same loader with compute path weight-only, so `auto_vs_weight_only_*`
+ratios show what auto's proofs and conversions add to the first step and to the peak RSS;
+`pack_memory_first` is auto with `keep_fp8=False` (a layer that runs int8 drops its FP8 form).
 
-    python bench/load.py [--hidden 1536] [--repeats 1] [--keep-dir DIR]
+    python bench/load.py [--hidden 1536] [--repeats 1] [--keep-dir DIR] [--loaders stock,pack,pack_weight_only]
 
 Prints a table and, as the last line, one JSON object {"bench": "load", ...}.
 
@@ -119,7 +123,7 @@ def child(loader: str, path: str) -> None:
     latent = torch.zeros(1, 16, 16, 16)
     cond = [[torch.randn(1, 77, CONTEXT, generator=torch.Generator().manual_seed(1)),
              {"pooled_output": torch.randn(1, POOLED, generator=torch.Generator().manual_seed(2))}]]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         if loader == "stock":
             model = comfy.sd.load_diffusion_model(path)
@@ -127,20 +131,28 @@ def child(loader: str, path: str) -> None:
             from fp8_engram.nodes.ops import make_fp8_ops
             from fp8_engram.quant import ComputeConfig, formats
 
-            cfg = ComputeConfig()
+            cfg = {"pack_weight_only": lambda: ComputeConfig(path="weight_only"),
+                   "pack_memory_first": lambda: ComputeConfig(keep_fp8=False)}.get(loader, ComputeConfig)()
             sd, _ = formats.load_file(path, config=cfg, mmap=(loader == "pack_mmap"))
             model = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": make_fp8_ops(cfg)})
         t_load = time.perf_counter() - t0
         comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0, disable_pbar=True)
-        t_first = time.perf_counter() - t0
+        t_first, c_first = time.perf_counter() - t0, time.process_time() - cpu0
         r0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
         t1 = time.perf_counter()
         comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0, disable_pbar=True)
         t_second = time.perf_counter() - t1
         c_second, r1 = time.process_time() - c0, resource.getrusage(resource.RUSAGE_SELF)
     peak = r1.ru_maxrss / 1024  # KiB -> MiB
+    conv = {}
+    if loader != "stock":  # what auto converted at first use (the in-process book of ComputeConfig())
+        from fp8_engram.quant.compute import default_book
+
+        conv = default_book().conversions("cpu") or {}
     # CPU seconds and page faults of the second step: less sensitive to other processes than wall time
-    print(json.dumps({"loader": loader, "load_s": t_load, "first_step_s": t_first, "second_step_s": t_second,
+    print(json.dumps({"loader": loader, "load_s": t_load, "first_step_s": t_first, "first_step_cpu_s": c_first,
+                      "converted_layers": conv.get("layers", 0), "converted_params": conv.get("parameters", 0),
+                      "converting_s": conv.get("seconds", 0.0), "second_step_s": t_second,
                       "second_step_cpu_s": c_second, "second_step_minflt": r1.ru_minflt - r0.ru_minflt,
                       "second_step_majflt": r1.ru_majflt - r0.ru_majflt, "baseline_mb": baseline, "peak_mb": peak}))
 
@@ -157,6 +169,8 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=1536, help="MMDiT hidden size (depth = hidden/64); 1536 -> ~1.4 GB")
     p.add_argument("--repeats", type=int, default=2, help="runs per loader, interleaved (order alternates)")
     p.add_argument("--keep-dir", help="make the file here and keep it (default: a temp dir, deleted)")
+    p.add_argument("--loaders", default="stock,pack,pack_mmap,pack_weight_only,pack_memory_first",
+                   help="which loaders to run (stock and pack are needed for the ratios)")
     p.add_argument("--child", nargs=2, metavar=("LOADER", "FILE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -171,9 +185,10 @@ def main() -> int:
             size = make_file(path, args.hidden)
             print(f"made {path.name}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
         size = path.stat().st_size
-        results = {"pack": [], "stock": [], "pack_mmap": []}
+        order = tuple(v for v in ("stock", "pack", "pack_mmap", "pack_weight_only", "pack_memory_first")
+                      if v in args.loaders.split(","))
+        results = {k: [] for k in order}
         load0 = os.getloadavg()[0]
-        order = ("stock", "pack", "pack_mmap")
         for i in range(args.repeats):
             for loader in (order if i % 2 == 0 else order[::-1]):
                 results[loader].append(run_child(loader, path))
@@ -181,16 +196,16 @@ def main() -> int:
         print(f"best of {args.repeats} interleaved runs per loader; load average (1 min) before/after: "
               f"{load0:.2f}/{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
         print(f"{'loader':<10}{'load s':>9}{'to 1st step s':>15}{'2nd step s':>12}{'2nd cpu s':>11}{'2nd minflt':>12}"
-              f"{'2nd majflt':>12}{'peak-base MiB':>15}{'x file':>8}")
+              f"{'2nd majflt':>12}{'peak-base MiB':>15}{'x file':>8}{'1st cpu s':>10}{'converted':>10}{'conv s':>8}")
         for k in order:
             b = best[k]
             above = b["peak_mb"] - b["baseline_mb"]
             print(f"{k:<10}{b['load_s']:>9.2f}{b['first_step_s']:>15.2f}{b['second_step_s']:>12.2f}"
                   f"{b['second_step_cpu_s']:>11.2f}{b['second_step_minflt']:>12d}{b['second_step_majflt']:>12d}"
-                  f"{above:>15.0f}{above * 2**20 / size:>8.2f}")
-        pk, st, mm = best["pack"], best["stock"], best["pack_mmap"]
+                  f"{above:>15.0f}{above * 2**20 / size:>8.2f}{b['first_step_cpu_s']:>10.2f}"
+                  f"{b['converted_params'] / 1e6:>9.0f}M{b['converting_s']:>8.2f}")
+        pk, st = best["pack"], best["stock"]
         pack_above = (pk["peak_mb"] - pk["baseline_mb"]) * 2**20
-        mmap_above = (mm["peak_mb"] - mm["baseline_mb"]) * 2**20
         out = {
             "bench": "load", "file_bytes": size, "hidden": args.hidden,
             "first_step_ratio": round(pk["first_step_s"] / st["first_step_s"], 3),
@@ -202,12 +217,34 @@ def main() -> int:
             "repeats": args.repeats, "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "pack_peak_rss_above_baseline_x_file": round(pack_above / size, 3),
             "stock_peak_rss_above_baseline_x_file": round((st["peak_mb"] - st["baseline_mb"]) * 2**20 / size, 3),
-            "pack_mmap_peak_rss_above_baseline_x_file": round(mmap_above / size, 3),
-            "pack_load_s": round(pk["load_s"], 3), "pack_mmap_load_s": round(mm["load_s"], 3),
-            "read_vs_mmap_first_step_ratio": round(pk["first_step_s"] / mm["first_step_s"], 3),
-            "read_vs_mmap_second_step_ratio": round(pk["second_step_s"] / mm["second_step_s"], 3),
-            "read_vs_mmap_peak_rss_ratio": round(pack_above / mmap_above, 3),
+            "pack_load_s": round(pk["load_s"], 3),
+            "first_step_cpu_s": {k: round(v["first_step_cpu_s"], 2) for k, v in best.items()},
+            "converted_params": {k: v["converted_params"] for k, v in best.items()},
+            "converting_s": {k: round(v["converting_s"], 2) for k, v in best.items()},
         }
+        if "pack_mmap" in best:
+            mm = best["pack_mmap"]
+            mmap_above = (mm["peak_mb"] - mm["baseline_mb"]) * 2**20
+            out.update({"pack_mmap_peak_rss_above_baseline_x_file": round(mmap_above / size, 3),
+                        "pack_mmap_load_s": round(mm["load_s"], 3),
+                        "read_vs_mmap_first_step_ratio": round(pk["first_step_s"] / mm["first_step_s"], 3),
+                        "read_vs_mmap_second_step_ratio": round(pk["second_step_s"] / mm["second_step_s"], 3),
+                        "read_vs_mmap_peak_rss_ratio": round(pack_above / mmap_above, 3)})
+        if "pack_weight_only" in best:
+            wo = best["pack_weight_only"]
+            wo_above = (wo["peak_mb"] - wo["baseline_mb"]) * 2**20
+            out.update({"pack_weight_only_peak_rss_above_baseline_x_file": round(wo_above / size, 3),
+                        "auto_vs_weight_only_first_step_ratio": round(pk["first_step_s"] / wo["first_step_s"], 3),
+                        "auto_vs_weight_only_second_step_ratio": round(pk["second_step_s"] / wo["second_step_s"], 3),
+                        "auto_vs_weight_only_peak_rss_ratio": round(pack_above / wo_above, 3),
+                        "pack_weight_only_first_step_s": round(wo["first_step_s"], 3)})
+        if "pack_memory_first" in best:
+            mf = best["pack_memory_first"]
+            mf_above = (mf["peak_mb"] - mf["baseline_mb"]) * 2**20
+            out.update({"pack_memory_first_peak_rss_above_baseline_x_file": round(mf_above / size, 3),
+                        "memory_first_vs_auto_peak_rss_ratio": round(mf_above / pack_above, 3),
+                        "memory_first_vs_auto_first_step_ratio": round(mf["first_step_s"] / pk["first_step_s"], 3),
+                        "memory_first_vs_auto_second_step_ratio": round(mf["second_step_s"] / pk["second_step_s"], 3)})
         print(json.dumps(out))
     finally:
         if not args.keep_dir:

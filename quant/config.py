@@ -42,6 +42,14 @@ class ComputeConfig:
         False (the default): every fast path is proven by value on this device, and timed against the
         plain path, the first time a kind of product meets it (``compute/prove.py``); True: take the
         fast paths by the device's capability alone, without proving them
+    keep_fp8:
+        True (the default): under "auto", a weight converted to int8 keeps its FP8 form beside the int8 one,
+        so the token classes where weight-only won still multiply the file's FP8 values (about one more byte
+        per parameter of each converted layer). False (memory first): once a layer's call runs int8, the FP8
+        form is dropped and the weight becomes the int8 one in place (its ``qdata``, ``scale`` and
+        ``layout``): that byte per parameter is freed, and every later call of that weight, weight-only
+        included, multiplies the int8 values (SQNR ~40 dB against the FP8 ones); its kinds of call are
+        proven anew for the int8 layout.
     book:
         where the verdicts of those proofs are kept (a ``compute.book.Book``: the loaders pass the one of
         ComfyUI's user folder); None = this process's in-memory book. Not part of equality or repr.
@@ -52,6 +60,7 @@ class ComputeConfig:
     compute_dtype: torch.dtype | None = None
     int8_rotation: bool = True
     trust_fast_paths: bool = False
+    keep_fp8: bool = True
     book: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):

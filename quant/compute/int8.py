@@ -27,6 +27,8 @@ import torch
 from ..errors import QuantizationError
 from ..kernels.int8_mm import int8_linear_mm, quantize_rows_int8
 from ..layouts import Int8
+from ..layouts.fp8 import fp8_to, mul_blocks
+from ..runtime import tracing
 from ..tensor import QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -99,18 +101,53 @@ def to_int8(w: torch.Tensor, rotation: int | None = None, *, config=None) -> Qua
     if isinstance(w, QuantizedTensor):
         if w.transposed or w.qdata.dim() != 2:
             raise QuantizationError(f"to_int8 needs an [out, in] weight, got {w!r}")
-        orig, wf, cfg = w.orig_dtype, w.dequantize(torch.float32), config or w.config
+        orig, cfg = w.orig_dtype, config or w.config
     else:
         if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point or w.dim() != 2:
             raise QuantizationError(f"to_int8 needs a 2-D float or FP8 QuantizedTensor weight, got "
                                     f"{getattr(w, 'dtype', type(w).__name__)} {list(getattr(w, 'shape', []))}")
-        orig, wf, cfg = w.dtype, w.detach().to(torch.float32), config
+        orig, cfg = w.dtype, config
     if orig not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         orig = torch.bfloat16
-    rot = default_rotation(wf.shape[1]) if rotation is None else int(rotation)
+    shape = tuple(w.qdata.shape) if isinstance(w, QuantizedTensor) else tuple(w.shape)
+    rot = default_rotation(shape[1]) if rotation is None else int(rotation)
+    layout = Int8(per_row=True, rotation=rot)
     with torch.no_grad():
-        q, scale = Int8(per_row=True, rotation=rot).quantize(wf)
-    return QuantizedTensor.from_parts(q, scale, Int8(per_row=True, rotation=rot), orig_dtype=orig, config=cfg)
+        rows = _fp8_rows(w)
+        if rows is not None:  # on the CPU: decoded, rotated and rounded a cache-sized chunk of rows at a time
+            q, scale = layout.quantize_rows(shape, rows[1], align=rows[0])
+        else:
+            wf = w.dequantize(torch.float32) if isinstance(w, QuantizedTensor) else w.detach().to(torch.float32)
+            q, scale = layout.quantize(wf)
+    return QuantizedTensor.from_parts(q, scale, layout, orig_dtype=orig, config=cfg)
+
+
+def _fp8_rows(w):
+    """``(align, fill)`` for ``Int8.quantize_rows``: ``fill(i, j, out)`` writes rows ``i:j`` of a CPU FP8 weight
+    with one scale per tensor, row or block, dequantized to float32 exactly as ``w.dequantize(torch.float32)``
+    does (``float32(q) * scale``, the scale expanded over its block); ``align`` is the block's rows. None for
+    other weights (float ones are chunked by ``Int8.quantize`` itself) and off the CPU."""
+    if not isinstance(w, QuantizedTensor) or w.layout.family != "fp8" or w.qdata.device.type != "cpu" or tracing():
+        return None
+    shape = tuple(w.qdata.shape)
+    block = w.layout.kernel_block(shape)
+    if block is None:
+        return None
+    (r, _c), per_tensor = block
+    q, s = w.qdata, w.scale.to(torch.float32)
+    if per_tensor:
+        s = s.reshape(())
+
+        def fill(i, j, out):
+            fp8_to(q[i:j], torch.float32, None, out)
+            out.mul_(s)
+    else:
+        s = s.reshape(-(-shape[0] // r), -1)
+
+        def fill(i, j, out):
+            fp8_to(q[i:j], torch.float32, None, out)
+            mul_blocks(out, s[i // r: -(-j // r)], r, _c)
+    return (r if not per_tensor else 1), fill
 
 
 def conversion_sqnr_db(reference: torch.Tensor, w: QuantizedTensor) -> float:

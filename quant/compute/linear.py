@@ -8,6 +8,7 @@ The first call of a kind of product builds that route: the paths of ``paths.PATH
 each new shape is checked by value (``prove.check_call``). One fallback rule: a fast path that raises is
 remembered as failed for its kind of product (out of memory: for that call only), and the call runs the
 plain path, as does every call of a path refused on record.
+Under ``keep_fp8=False`` a weight whose call ran int8 becomes its int8 form in place (``paths.int8.drop_fp8_form``).
 
 Autograd: only paths that declare a backward (fp8; the plain path) take calls that record, under the same
 verdicts. torch.compile: while tracing nothing is proven or timed; a fast path is traced (through its custom
@@ -30,7 +31,9 @@ from ..tensor import QuantizedTensor
 from . import prove
 from .book import M_CLASSES, Key, default_book, shape_class
 from .paths import PATHS, REGISTRY, WEIGHT_ONLY
+from .paths.int8 import INT8, drop_fp8_form
 from .paths.plain import rotation_macs
+from .int8 import is_int8
 from .scaled_mm import fp8_supported
 
 logger = logging.getLogger(__name__)
@@ -228,6 +231,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     out = None
     if route is not None and not route.path.plain:
         out = _fast(route, x2d, weight, bias, cfg, cdt, book)
+        if out is not None and not cfg.keep_fp8 and route.path is INT8 and not tracing() and not is_int8(weight):
+            drop_fp8_form(weight, route.path.operand(weight, cfg, x2d.device, cdt))  # memory first: int8 only
     traced = route.path if out is not None else WEIGHT_ONLY
     if out is None:
         out = _plain(x2d, weight, bias, cdt)

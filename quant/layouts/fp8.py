@@ -25,7 +25,7 @@ from ..runtime import tracing, workspace
 from .base import FP8_DTYPES, LayoutBase, check_fp8_dtype  # noqa: F401 - FP8_DTYPES, check_fp8_dtype re-exported
 
 __all__ = ["FP8_DTYPES", "PerTensor", "PerRow", "Block", "Layout", "fp8_to", "check_fp8_dtype",
-           "dequantize_eager"]
+           "dequantize_eager", "mul_blocks"]
 
 
 # Mantissa bits and smallest normal exponent, for stochastic rounding onto the FP8 grid.
@@ -383,7 +383,7 @@ def dequantize_eager(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.d
 _DEQUANT_CHUNK_ELEMS = 1 << 22
 
 
-def _mul_blocks(w: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> None:
+def mul_blocks(w: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> None:
     """In place ``w *= scale`` expanded over ``rows x cols`` blocks (w float32, 2-D)."""
     m, k = w.shape
     if m % rows == 0 and k % cols == 0:
@@ -406,7 +406,7 @@ def _dequantize_scaled(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: in
         )
     if dtype == torch.float32 or dtype == torch.float64:  # the product itself, no second rounding
         w = fp8_to(q, dtype, None, out)
-        _mul_blocks(w, scale.to(dtype), rows, cols)
+        mul_blocks(w, scale.to(dtype), rows, cols)
         return w
     s = scale.to(torch.float32)
     n, k = q.shape
@@ -418,6 +418,6 @@ def _dequantize_scaled(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: in
         j = min(n, i + step)
         tmp = workspace("dequant_f32", (j - i) * k, torch.float32).view(j - i, k)
         fp8_to(q[i:j], torch.float32, None, tmp)
-        _mul_blocks(tmp, s[i // rows: -(-j // rows)], rows, cols)
+        mul_blocks(tmp, s[i // rows: -(-j // rows)], rows, cols)
         out[i:j].copy_(tmp)
     return out

@@ -95,3 +95,34 @@ def test_the_sampled_conversion_sqnr_is_the_full_figure_within_half_a_db():
     w8 = qint8.to_int8(w)
     full, sampled = qint8.conversion_sqnr_db(w, w8), sampled_conversion_sqnr_db(w, w8)
     assert abs(full - sampled) < 0.5, (full, sampled)
+
+
+def test_memory_first_drops_the_fp8_form_once_a_call_runs_int8(monkeypatch):
+    _clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    kept, dropped = _weights(2), _weights(2)  # the same values twice
+    both = [linear(x, w, None, ComputeConfig(book=Book())) for w in kept]
+    cfg = ComputeConfig(book=Book(), keep_fp8=False)
+    first = [linear(x, w, None, cfg) for w in dropped]
+    for w, k, y, y_kept in zip(dropped, kept, first, both):
+        assert torch.equal(y, y_kept)  # the call that converts computes what it did with both forms
+        w8 = k.__dict__["_derived"]["int8"][1]  # the conversion the kept weight holds beside its FP8 form
+        assert w.layout == w8.layout and torch.equal(w.qdata, w8.qdata) and torch.equal(w.scale, w8.scale)
+        assert w.dtype == k.dtype and tuple(w.shape) == tuple(k.shape) and w.config is None
+        assert "_derived" not in w.__dict__  # no second copy: the weight is the int8 form
+        held = lambda t: sum(v.untyped_storage().nbytes() for v in (t.qdata, t.scale))  # noqa: E731
+        assert held(k) + held(w8) - held(w) == 512 * 1024 + 512 * 4  # the FP8 byte a parameter, its row scales
+        # later calls run the int8 form, proven anew for its layout; weight-only dequantizes the int8 values
+        assert torch.equal(linear(x, w, None, cfg), qint8.int8_linear(x, w8, None, torch.bfloat16))
+        wo = ComputeConfig(path="weight_only")
+        assert torch.equal(linear(x, w, None, wo), linear(x, w8, None, wo))
+        assert not torch.equal(linear(x, w, None, wo), linear(x, k, None, wo))
+
+
+def test_memory_first_keeps_the_fp8_form_where_weight_only_wins(monkeypatch):
+    _clock(monkeypatch, plain_s=0.01, int8_s=0.5)
+    cfg = ComputeConfig(book=Book(), keep_fp8=False)
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for w in _weights(2):
+        assert torch.equal(linear(x, w, None, cfg), linear(x, w, None, ComputeConfig(path="weight_only")))
+        assert w.qdata.dtype == torch.float8_e4m3fn

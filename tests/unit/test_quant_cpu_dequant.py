@@ -109,3 +109,18 @@ def test_release_workspace_frees_the_buffers():
     runtime.release_workspace()
     assert runtime._workspace.bufs == {}
     assert runtime.workspace("weight_only", 1 << 20, torch.float32).numel() == 1 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_unscaled_small_chunks_take_the_kept_table_with_the_same_bits(fp8, dtype):
+    # every pair of codes (both bytes of a looked-up word), then a small chunk
+    pairs = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(fp8)
+    for q in (pairs.reshape(-1, 512), pairs[:4096].reshape(16, -1)):
+        for _ in range(2):  # built, then kept
+            got = layouts.fp8_to(q, dtype, None, out=torch.empty(q.shape, dtype=dtype))
+            torch.testing.assert_close(got, q.to(dtype), rtol=0, atol=0, equal_nan=True)
+    with torch.inference_mode():  # a table first kept under inference_mode serves later calls outside it
+        layouts.fp8._tables.clear()
+        layouts.fp8_to(pairs[:4096], dtype)
+    assert not layouts.fp8._tables[(fp8, dtype)].is_inference()

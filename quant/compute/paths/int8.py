@@ -28,7 +28,8 @@ from ...tensor import QuantizedTensor
 from .. import int8, proof
 from .base import Path, bias_cols, cached_on_weight, weight_reference
 
-__all__ = ["Int8Path", "INT8", "int8_operand", "int8_takes", "sampled_conversion_sqnr_db", "SQNR_ROWS"]
+__all__ = ["Int8Path", "INT8", "int8_operand", "int8_takes", "sampled_conversion_sqnr_db", "SQNR_ROWS",
+           "drop_fp8_form"]
 
 logger = logging.getLogger("fp8_engram.quant.compute.linear")
 
@@ -68,6 +69,23 @@ def int8_operand(w, cfg, device):
 
 
 _UNCONVERTIBLE = object()
+
+
+def drop_fp8_form(w, w8) -> bool:
+    """Memory first (``ComputeConfig.keep_fp8=False``): make the FP8 weight ``w`` the int8 weight ``w8`` it was
+    converted to, in place (``qdata``, ``scale``, ``layout``; the logical dtype, shape and config stay), so its
+    FP8 data and the cached conversion are one int8 copy instead of two. What was derived from the old form
+    (the conversion itself, the routes of its kinds of call) is forgotten: later calls are routed, and proven
+    where needed, for the int8 layout. Only where both forms live on the same device (an offloaded weight's
+    per-call copy on a GPU is not the weight). True where it was dropped."""
+    if not int8.is_int8(w8) or int8.is_int8(w) or w8.qdata.device != w.qdata.device or w8.qdata.shape != w.qdata.shape:
+        return False
+    w.qdata, w.scale, w._qlayout, w.input_scale = w8.qdata, w8.scale, w8.layout, None
+    w.__dict__.pop("_derived", None)
+    w.__dict__.pop("_routes", None)
+    logger.debug("dropped the FP8 form of a %s weight %s: it runs as int8 from now on", w.orig_dtype,
+                 list(w.matrix_shape))
+    return True
 
 
 def _convert_or_none(w, cfg, device):
