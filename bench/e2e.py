@@ -701,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--double", type=int, help="double-stream blocks (default 5; tiny 1)")
     p.add_argument("--single", type=int, help="single-stream blocks (default 10; tiny 1)")
     p.add_argument("--steps", type=int, help="sampling steps (default 8; tiny 2)")
+    p.add_argument("--image", type=int, help="pixels per side (default 1024; tiny 32). Flux takes (pixels/16)^2 image "
+                   "tokens beside its text tokens (tiny: 16): 32 -> 20 tokens in all, 512 -> 1040")
     p.add_argument("--engram-ranks", type=int, default=4, help="CUDA ranks sharing the GPU for the engram memory")
     p.add_argument("--rows-per-head", type=int, help="engram rows per hash head (default 65536; tiny 4096)")
     p.add_argument("--skip-engram", action="store_true")
@@ -709,14 +711,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
+    if args.image is not None and (args.image < 16 or args.image % 16):
+        p.error(f"--image {args.image}: pixels per side must be a positive multiple of 16 (one Flux patch of latents)")
 
     if args.tiny:
         flux = args.arch == "flux"  # a Flux at --tiny sizes: 1 double + 1 single block are 0.55 G parameters
         shape = Shape(arch="flux" if flux else "sd3", double=args.double or (1 if flux else 2),
-                      single=(args.single or 1) if flux else 0, image=32, text_tokens=16, steps=args.steps or 3,
+                      single=(args.single or 1) if flux else 0, image=args.image or 32, text_tokens=16, steps=args.steps or 3,
                       vec_dim=2048, engram_repeats=1)
     else:
-        shape = Shape(arch="flux", double=args.double or 5, single=args.single or 10, image=1024, text_tokens=512,
+        shape = Shape(arch="flux", double=args.double or 5, single=args.single or 10, image=args.image or 1024, text_tokens=512,
                       steps=args.steps or 8, vec_dim=768, engram_repeats=10)
     rows_per_head = args.rows_per_head or (4096 if args.tiny else 65536)
     work = Path(args.keep_dir) if args.keep_dir else Path(tempfile.mkdtemp(prefix="fp8_e2e_", dir=scratch_dir(shape)))
