@@ -79,7 +79,8 @@ def _options():
                        "no FP8 units (CUDA 8.0-8.6: RTX 30, A100, A10) and CPUs with VNNI/AMX; weight-only elsewhere. "
                        "fp8 matmul: always try it (falls back if it fails). weight-only: dequantize and multiply. "
                        "int8: weights converted to int8 per channel at load (rotated by a 128-wide Hadamard "
-                       "transform, which tames activation outliers, unless 'without rotation'), activations per token."),
+                       "transform, which tames activation outliers, unless 'without rotation'), activations per token; "
+                       "auto converts a layer only at its first call that runs int8."),
         io.Combo.Input("activation_scaling", options=list(ACT_SCALING), default="auto",
                        tooltip="How activations are scaled for fp8 x fp8. auto: one dynamic scale per row (token), "
                        "quantized in one fused pass; the most accurate and, on FP8 GPUs, the fastest. static: the "
