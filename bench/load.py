@@ -157,8 +157,9 @@ def child(loader: str, path: str) -> None:
                       "second_step_majflt": r1.ru_majflt - r0.ru_majflt, "baseline_mb": baseline, "peak_mb": peak}))
 
 
-def run_child(loader: str, path: Path) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child", loader, str(path)], capture_output=True, text=True)
+def run_child(loader: str, path: Path, script: str = __file__) -> dict:
+    """``script --child LOADER FILE`` in a fresh process: its last stdout line, a JSON object."""
+    r = subprocess.run([sys.executable, script, "--child", loader, str(path)], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{loader} child failed:\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

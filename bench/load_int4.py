@@ -45,7 +45,6 @@ import json
 import logging
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ TEXT, TOKENS, RANK = 3584, 8, 32
 LOADERS = ("stock_bf16", "pack_int4", "pack_bf16")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import load  # noqa: E402  (the same child runner)
 from load import rss_mb, setup_paths  # noqa: E402  (the same ComfyUI paths and RSS reader)
 
 logger = logging.getLogger("bench.load_int4")
@@ -199,10 +199,7 @@ def child(loader: str, path: str) -> None:
 
 
 def run_child(loader: str, path: Path) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child", loader, str(path)], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"{loader} child failed:\n{r.stderr[-4000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return load.run_child(loader, path, __file__)
 
 
 def main() -> int:
