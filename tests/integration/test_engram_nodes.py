@@ -6,6 +6,7 @@ releasing memory: test_engram_faults.py."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import torch
 from comfyhost import WorkflowError, comfyui_root
 from helpers.graphs import TINY_CLIP_L, sd3_txt2img
 from safetensors.torch import load_file
+
+logger = logging.getLogger(__name__)
 
 PHRASE = "glowing crystal apple"  # 3 CLIP tokens
 TARGET_PHRASE = "rusty old bicycle"  # 3 CLIP tokens, so rows line up
@@ -109,7 +112,7 @@ def test_prompt_with_phrase_moves_toward_target(comfy, output_dir):
     rows_before, rows_after = sim_result(history, "46")["cosine"], sim_result(history, "45")["cosine"]
     # Stated figures. Only the phrase rows after its first token move (CLIP is causal: the target's
     # later rows also differ, and the memory leaves them alone), so the whole-tensor rise is small.
-    print(f"cosine to target: whole {before:.4f} -> {after:.4f}; phrase rows {rows_before:.4f} -> {rows_after:.4f}")
+    logger.info(f"cosine to target: whole {before:.4f} -> {after:.4f}; phrase rows {rows_before:.4f} -> {rows_after:.4f}")
     assert after > before + 0.001
     assert rows_after > 0.99 and rows_after > rows_before + 0.05
     assert hit_words(history, "3") == ["crystal", "apple"]  # "glowing" opens the phrase: no n-gram inside it ends there
@@ -153,10 +156,10 @@ def test_random_table_does_not_produce_the_effect(comfy, models_dir):
     graph["30"] = {"class_type": "FP8Engram.LoadEngramMemory", "inputs": {"memory_name": "random_table.safetensors", "devices": "cpu", "cpu_ranks": 2, "clip": ["2", 0]}}
     history = comfy.run(graph)
     before, after = sim_result(history, "43")["cosine"], sim_result(history, "42")["cosine"]
-    print(f"random table: cosine to target {before:.4f} -> {after:.4f}")
+    logger.info(f"random table: cosine to target {before:.4f} -> {after:.4f}")
     assert sim_result(history, "44")["identical"] is False  # the random rows are there ...
     rows_before, rows_after = sim_result(history, "46")["cosine"], sim_result(history, "45")["cosine"]
-    print(f"random table: phrase rows {rows_before:.4f} -> {rows_after:.4f}")
+    logger.info(f"random table: phrase rows {rows_before:.4f} -> {rows_after:.4f}")
     assert after < before + 0.001 and rows_after < rows_before + 0.01  # ... but do not pull toward the target
 
 
@@ -195,7 +198,7 @@ def test_training_lowers_held_out_error(comfy, comfy_server):
     losses = history["outputs"]["31"]["losses"]
     assert losses[-1] < 0.5 * losses[0]
     before, after = sim_result(history, "43")["cosine"], sim_result(history, "42")["cosine"]
-    print(f"held-out cosine to target: zero table {before:.4f} -> trained {after:.4f}")
+    logger.info(f"held-out cosine to target: zero table {before:.4f} -> trained {after:.4f}")
     assert after > before
 
 
