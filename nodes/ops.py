@@ -55,6 +55,11 @@ def move_quantized(w: QuantizedTensor, device) -> QuantizedTensor:
         input_scale=None if w.input_scale is None else w.input_scale.to(device), config=w.config)
 
 
+def _patch_source(weight):
+    """What ComfyUI's weight patches (LoRA ...) add to: a quantized weight (or bank) dequantized in float32."""
+    return weight.dequantize(torch.float32) if isinstance(weight, QuantizedTensor) else weight
+
+
 def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bool = False,
                  base=comfy.ops.manual_cast, source: str | None = None):
     """A new operations class (subclass of `base`) for one load. `config` is attached to quantized
@@ -159,9 +164,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
 
             # -- weight patches (comfy.model_patcher.get_key_weight looks these up) -----------------
             def convert_weight(self, weight, inplace=False, **kwargs):
-                if isinstance(weight, QuantizedTensor):
-                    return weight.dequantize(torch.float32)
-                return weight
+                return _patch_source(weight)
 
             def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
                 cur = self.weight
@@ -246,9 +249,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
 
             # -- weight patches (LoRA ...): the whole bank dequantized for the patch, requantized into its layout
             def convert_weight(self, weight, inplace=False, **kwargs):
-                if isinstance(weight, QuantizedTensor):
-                    return weight.dequantize(torch.float32)
-                return weight
+                return _patch_source(weight)
 
             def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
                 cur = self.weight

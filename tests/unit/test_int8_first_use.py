@@ -56,6 +56,11 @@ def _weights(count=3, n=512, k=1024):
     return [QuantizedTensor.from_float(torch.randn(n, k, generator=g) * 0.03, PerRow()) for _ in range(count)]
 
 
+def _activation() -> torch.Tensor:
+    """40 tokens of 1024: one call's activation, the same in every test."""
+    return torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+
 def _converted(w) -> bool:
     return "int8" in w.__dict__.get("_derived", {})
 
@@ -65,7 +70,7 @@ def test_a_model_whose_calls_never_run_int8_converts_only_the_proofs_weight(monk
     book = Book()
     cfg = ComputeConfig(book=book)
     ws = _weights()
-    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = _activation()
     for w in ws:
         assert torch.equal(linear(x, w, None, cfg), linear(x, w, None, ComputeConfig(path="weight_only")))
     assert [_converted(w) for w in ws] == [True, False, False]
@@ -77,7 +82,7 @@ def test_where_int8_wins_each_weight_converts_at_its_first_call_and_runs_int8(mo
     book = Book()
     cfg = ComputeConfig(book=book)
     ws = _weights()
-    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = _activation()
     outs = [linear(x, w, None, cfg) for w in ws]
     assert all(_converted(w) for w in ws)
     for w, y in zip(ws, outs):
@@ -99,7 +104,7 @@ def test_the_sampled_conversion_sqnr_is_the_full_figure_within_half_a_db():
 
 def test_memory_first_drops_the_fp8_form_once_a_call_runs_int8(monkeypatch):
     _clock(monkeypatch, plain_s=0.5, int8_s=0.01)
-    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = _activation()
     kept, dropped = _weights(2), _weights(2)  # the same values twice
     both = [linear(x, w, None, ComputeConfig(book=Book())) for w in kept]
     cfg = ComputeConfig(book=Book(), keep_fp8=False)
@@ -122,7 +127,7 @@ def test_memory_first_drops_the_fp8_form_once_a_call_runs_int8(monkeypatch):
 def test_memory_first_keeps_the_fp8_form_where_weight_only_wins(monkeypatch):
     _clock(monkeypatch, plain_s=0.01, int8_s=0.5)
     cfg = ComputeConfig(book=Book(), keep_fp8=False)
-    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = _activation()
     for w in _weights(2):
         assert torch.equal(linear(x, w, None, cfg), linear(x, w, None, ComputeConfig(path="weight_only")))
         assert w.qdata.dtype == torch.float8_e4m3fn
