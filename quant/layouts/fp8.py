@@ -47,7 +47,7 @@ _GRID = {
 # - With a scale, a large tensor gets a table of the scaled results, built per call (~0.05 ms), with
 #   the same rounding as "convert, then multiply in float32"; a smaller one gathers exact float32
 #   values from the cached table, multiplies them and rounds once into the result dtype.
-# 4-10x faster than torch's conversion from 4K elements up (bench/linear_overhead.py).
+# Measured against torch's conversion (bf16, one thread): 1.6x faster at 4K elements, 3.5x at 16K, 11x at 9M.
 _SCALED_TABLE_MIN_NUMEL = 1 << 18
 _PAIR_WORD = {torch.bfloat16: (torch.int16, torch.int32, 16, 0xFFFF),
               torch.float16: (torch.int16, torch.int32, 16, 0xFFFF),
