@@ -8,7 +8,7 @@ the same seed, and the pixel PSNR against the bf16 picture (median, lowest).
 
     python bench/quality.py [--seeds 2] [--formats tensor,row,...] [--keep-dir DIR]
 
-The first run trains the models (a few minutes); later runs load them from .host/tiny-world/. Prints a
+The models come from their committed weights (scripts/tiny_world_cache.py), cached in .host/tiny-world/. Prints a
 table and, as the last line, one JSON object {"bench": "quality", ...}.
 """
 

@@ -4,8 +4,9 @@ teaches it a word.
     python scripts/demo.py [--serve] [--port 8188] [--out out/demo] [--seed 3]
 
 Makes the tiny random models (scripts/tiny_models.py: the CLIP-L is the one the world was trained with),
-trains the tiny world's models on the first run (scripts/train_tiny.py, a few minutes; later runs load
-them from .host/tiny-world/), converts the MMDiT to FP8 with the pack's converter, starts ComfyUI with
+unpacks the tiny world's trained models on the first run (scripts/tiny_world_cache.py, from their
+committed weights; it trains them, about ten minutes, only when those are stale; later runs load them
+from .host/tiny-world/), converts the MMDiT to FP8 with the pack's converter, starts ComfyUI with
 the pack in custom_nodes/ and runs one workflow: every prompt of the world ("a red circle", ...) with
 the bf16 model (stock Load Diffusion Model) and the FP8 one (Load FP8 Diffusion Model) at the same seed;
 and "a lighthouse", a word the model never saw, without and with an engram memory (New Engram Memory on

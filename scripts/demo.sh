@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# README command one: set up everything from nothing, then run the demo (the first run also trains the
-# tiny world's models, a few minutes, cached in .host/tiny-world/; extra options go to demo.py,
-# e.g. --serve to keep ComfyUI up for a browser).
+# README command one: set up everything from nothing, then run the demo (the tiny world's models come
+# from their committed weights, scripts/tiny_world_cache.py, cached in .host/tiny-world/; extra options
+# go to demo.py, e.g. --serve to keep ComfyUI up for a browser).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"

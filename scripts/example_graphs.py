@@ -68,12 +68,13 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def world_models(seed: int = WORLD_SEED) -> dict:
-    """The trained tiny-world models (trained on first use, then cached; scripts/train_tiny.py) and the
-    MMDiT converted to FP8 by the pack's own converter (per-tensor e4m3fn, a file stock ComfyUI loads
-    too), beside them in the cache. Returns train_tiny's report with `unet_fp8` added."""
-    import train_tiny
+    """The trained tiny-world models (unpacked from the committed weights, or trained when those are
+    stale, then cached; scripts/tiny_world_cache.py) and the MMDiT converted to FP8 by the pack's own
+    converter (per-tensor e4m3fn, a file stock ComfyUI loads too), beside them in the cache. Returns the
+    training report with `unet_fp8` added."""
+    import tiny_world_cache
 
-    report = train_tiny.ensure(seed)
+    report = tiny_world_cache.ensure(seed)
     fp8 = Path(report["folder"]) / UNET_FP8
     if not fp8.exists():
         env = dict(os.environ, PYTHONPATH=str(ROOT / ".host" / "pkg"))

@@ -1,6 +1,6 @@
 """Train the demo's two models on the tiny world (scripts/tiny_world.py), the way ComfyUI samples them.
 
-    python scripts/train_tiny.py [--seed 0] [--cache DIR] [--force]      (the ComfyUI tree's python)
+    python scripts/train_tiny.py --out DIR [--seed 0]      (the ComfyUI tree's python; about 10 minutes)
 
 - The VAE: a small autoencoder (64x64x3 -> 8x8x16) whose layers are a subset of the 16-channel TAESD's,
   so its file is a TAESD state dict that ComfyUI's VAELoader detects as one (`taesd_decoder.1.weight`
@@ -21,21 +21,19 @@ words included, and an engram memory can never rewrite them (it writes only the 
 phrase's own tokens). A word like "lighthouse" is then one row that a memory can make read like the
 second row of "blue triangle", which carries both words (CLIP is causal).
 
-Everything is seeded; the files go to `<cache>/<key>/` where the key hashes this script, the world and
-the tiny models' recipe with the seed, so the first run trains and later runs load. `ensure()` is what
-the demo, the tests and the benchmark call.
+Everything is seeded. This file is the training and nothing else: scripts/tiny_world_cache.py hashes it
+(with the world and the tiny models' recipe) into the cache key, and holds `ensure()`, which the demo,
+the tests and the benchmark call: it unpacks the weights committed in scripts/tiny_world_weights/ when
+they were made by this very code, and trains (this script, in a child process) only when they were not.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
 import logging
 import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -48,7 +46,6 @@ import tiny_world as world  # noqa: E402
 
 logger = logging.getLogger("train_tiny")
 
-CACHE = ROOT / ".host" / "tiny-world"
 UNET = "tiny_world_sd3.safetensors"
 VAE = "tiny_world_taesd3.safetensors"
 CLIP_L = "tiny_clip_l.safetensors"  # the demo's random CLIP-L (scripts/tiny_models.py), not trained
@@ -85,37 +82,6 @@ class Recipe:
     eval_seeds: int = 2
     eval_steps: int = 12
     eval_cfg: float = 4.0
-
-
-# ----- cache -----
-
-def cache_key(recipe: Recipe) -> str:
-    h = hashlib.sha256()
-    for name in ("train_tiny.py", "tiny_world.py", "tiny_models.py"):
-        h.update((SCRIPTS / name).read_bytes())
-    h.update(json.dumps(asdict(recipe), sort_keys=True).encode())
-    return h.hexdigest()[:16]
-
-
-def ensure(seed: int = 0, cache: Path = CACHE, python: str | None = None, quiet: bool = False) -> dict:
-    """The trained models of `seed`: trains them (in a child process of the ComfyUI tree's python) unless
-    the cache holds them. Returns the training report with `unet`, `vae`, `clip` paths added. Safe to call
-    from several processes at once (the second waits for the first)."""
-    recipe = Recipe(seed=seed)
-    folder = Path(cache) / f"seed{seed}-{cache_key(recipe)}"
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / REPORT).exists():
-            if python is None:
-                from comfyhost import comfyui_python
-
-                python = str(comfyui_python())
-            cmd = [python, str(SCRIPTS / "train_tiny.py"), "--seed", str(seed), "--out", str(folder)]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if quiet else None)
-        report = json.loads((folder / REPORT).read_text())
-    report.update(unet=str(folder / UNET), vae=str(folder / VAE), clip=str(folder / CLIP_L), folder=str(folder))
-    return report
 
 
 # ----- the models' pieces -----
@@ -477,24 +443,14 @@ def evaluate(unet, decoder, enc, phrasings, recipe: Recipe, torch, pooled_pad) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="write the files here (default: the cache folder of the seed)")
-    parser.add_argument("--cache", type=Path, default=CACHE)
-    parser.add_argument("--force", action="store_true", help="train even when the cache has the files")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change a field of the recipe (experiments; with --out)")
+    parser.add_argument("--out", type=Path, required=True, help="write the files here (tiny_world_cache.py --train trains into the cache)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change a field of the recipe (experiments)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[train_tiny] %(message)s")
     fields = {f: type(v) for f, v in asdict(Recipe()).items()}
     changes = {k: fields[k](v) for k, v in (item.split("=", 1) for item in args.set)}
-    recipe = Recipe(seed=args.seed, **changes)
-    if args.out is None:
-        if changes:
-            parser.error("--set needs --out (the cache holds only the default recipe)")
-        args.out = args.cache / f"seed{args.seed}-{cache_key(recipe)}"
-        if (args.out / REPORT).exists() and not args.force:
-            print(json.dumps(json.loads((args.out / REPORT).read_text())))
-            return 0
-    report = train(recipe, args.out)
-    print(json.dumps(report))
+    report = train(Recipe(seed=args.seed, **changes), args.out)
+    logger.info("%s", json.dumps(report))
     return 0
 
 

@@ -1,7 +1,7 @@
 """The demo's pictures mean something, checked through the real server: the tiny world's trained models
-(scripts/train_tiny.py; the first run of a clean checkout trains them, a few minutes, later runs load
-them) draw what the prompt asks, the pack's FP8 model (Load FP8 Diffusion Model on the converter's
-per-tensor file) draws what the bf16 model draws at the same seed, and an engram memory makes a word the
+(scripts/train_tiny.py; a clean checkout unpacks their committed weights, scripts/tiny_world_cache.py)
+draw what the prompt asks, the pack's FP8 model (Load FP8 Diffusion Model on the converter's per-tensor
+file) draws what the bf16 model draws at the same seed, and an engram memory makes a word the
 model never saw ("lighthouse") draw what it was memorized as ("blue triangle"), which it does not draw
 without the memory. The judge (scripts/tiny_world.py) reads colour and shape from each picture.
 
