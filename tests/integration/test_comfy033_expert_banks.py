@@ -35,15 +35,16 @@ def gpt_oss():
     return gpt_oss
 
 
-def float_sd(seed: int = 0) -> dict[str, torch.Tensor]:
+def float_sd(seed: int = 0, cfg: dict = CFG) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape, std=0.05):
         return torch.randn(shape, generator=g) * std
 
-    heads, kv, hd = CFG["num_attention_heads"], CFG["num_key_value_heads"], CFG["head_dim"]
-    sd = {"embed_tokens.weight": r(CFG["vocab_size"], H, std=1.0), "norm.weight": 1 + r(H)}
-    for i in range(CFG["num_hidden_layers"]):
+    E, H, I = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    sd = {"embed_tokens.weight": r(cfg["vocab_size"], H, std=1.0), "norm.weight": 1 + r(H)}
+    for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
         for name, n_out, n_in in (("q_proj", heads * hd, H), ("k_proj", kv * hd, H), ("v_proj", kv * hd, H),
                                   ("o_proj", H, heads * hd)):
@@ -66,7 +67,8 @@ def float_sd(seed: int = 0) -> dict[str, torch.Tensor]:
 def write_quantized_file(path, sd: dict, fmt: str) -> dict[str, torch.Tensor]:
     """The file: every expert bank in ComfyUI 0.33's MoEExperts form with its comfy_quant, the rest float32.
     "fp8": e4m3fn with weight_scale [E]; "nvfp4": each expert's 2-D NVFP4 tensors stacked (weight_scale_2 [E]).
-    Returns the banks as the file's numbers dequantize."""
+    Tensors of other names (a ``tokenizer_json``) are written as they are. Returns the banks as the file's numbers
+    dequantize."""
     from safetensors.torch import save_file
 
     from fp8_engram.quant import NVFP4, PerExpert, QuantizedTensor
@@ -77,7 +79,7 @@ def write_quantized_file(path, sd: dict, fmt: str) -> dict[str, torch.Tensor]:
         if not any(f"experts.{b}.weight" in k for b in BANKS):
             out[k] = v.contiguous()
             continue
-        name = k[: -len(".weight")]
+        name, E = k[: -len(".weight")], v.shape[0]
         if fmt == "fp8":
             q = QuantizedTensor.from_float(v, PerExpert())
             out[k], out[name + ".weight_scale"] = q.qdata, q.scale.reshape(E)
