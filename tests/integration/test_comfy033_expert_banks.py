@@ -311,8 +311,9 @@ PROMPT = "a red apple on a wooden table"
 
 def _char_tokenizer_json() -> torch.Tensor:
     """A character-level tokenizer (BPE without merges) over printable ASCII, unknown characters -> 0, as the uint8
-    JSON tensor Lens encoders carry. The Harmony template alone is about 440 characters, so a prompt keeps rows
-    past LENS_TXT_OFFSET (97)."""
+    JSON tensor Lens encoders carry. Harmony's template around a prompt is 627 characters, so rows remain past
+    LENS_TXT_OFFSET (97); the encoder keeps the first 512 tokens (LENS_MAX_TOKENS), which hold the user message
+    (from character 464) for a prompt this short."""
     import string
 
     from tokenizers import Tokenizer, models
@@ -352,9 +353,9 @@ def text_encoders_dir(gpt_oss, tmp_path_factory):
     folder_paths.set_user_directory(user)
 
 
-def _encode_prompt(clip) -> torch.Tensor:
+def _encode_prompt(clip, prompt: str = PROMPT) -> torch.Tensor:
     with torch.inference_mode():
-        return clip.encode_from_tokens(clip.tokenize(PROMPT), return_dict=True)["cond"].detach().float()
+        return clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)["cond"].detach().float()
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -399,9 +400,10 @@ def test_load_fp8_text_encoder_loads_a_tiny_gpt_oss_and_encodes_like_its_float_v
     dequantized = {k: v.dequantize(encoder.dtype) for k, v in file_sd.items() if isinstance(v, QuantizedTensor)}
     assert len(dequantized) == banks
     y_deq, y_float = stock({**ref_sd, **dequantized}), stock(ref_sd)
-    # rows past the template's 97 (the prompt's and the assistant header's), 4 layers of 64 side by side
+    # rows 97 to 511 of the rendered template, 4 layers of 64 side by side; the prompt is among them
     assert y_node.shape == y_float.shape and y_node.shape[1] > 0 and y_node.shape[2] == len(LENS_LAYERS) * 64
     assert torch.equal(y_node, y_deq)  # the same math: each expert dequantized, then its linear
+    assert not torch.equal(_encode_prompt(clip, PROMPT.replace("table", "chair")), y_node)
     # per selected layer (layer 0 has one layer of bank error), and all four together
     width = LENS_CFG["hidden_size"]
     per_layer = [sqnr(y_float[..., j * width:(j + 1) * width], y_node[..., j * width:(j + 1) * width])
