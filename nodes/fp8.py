@@ -42,6 +42,7 @@ from ..quant.compute import Book, book_for_file, default_book
 from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, MAX_KEEP_PATTERN_CHARS, MAX_KEEP_PATTERNS, quantize_module
 from ..quant.quantize_model import keep_patterns as compile_keep_patterns
 from . import CATEGORY, NODE_ID_PREFIX
+from .gpt_oss import lens_options
 from .ops import make_fp8_ops, release_workspace_on_unload
 
 logger = logging.getLogger(__name__)
@@ -323,9 +324,11 @@ class LoadFP8TextEncoder(io.ComfyNode):
         header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
         clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
         ops = _ops(cfg, patch_rounding, f"text_encoders/{clip_name}")
+        # ComfyUI 0.33 builds a gpt-oss (Lens) encoder at gpt-oss-20b's size whatever the file holds
+        options = {"custom_operations": ops, **lens_options(sd, f"text_encoders/{clip_name}")}
         clip = comfy.sd.load_text_encoder_state_dicts(
             [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
-            model_options={"custom_operations": ops})
+            model_options=options)
         release_workspace_on_unload(clip.patcher)
         return io.NodeOutput(clip, ui={"fp8_summary": [_summary(report, cfg, ops)]})
 
