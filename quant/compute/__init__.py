@@ -1,7 +1,8 @@
 """The compute floor: how ``y = x @ W.T + b`` runs for a QuantizedTensor W, and what proved it right.
 
     linear.py     the entry point: the route cached on the weight, the book's pick, the run, one fallback rule
-    paths/        the registry of paths (plain "weight-only", fp8, int8, kitchen int8, the fused GEMMs)
+    paths/        the registry of paths (plain "weight-only", fp8, int8, kitchen int8, kitchen awq and svdquant,
+                  the fused GEMMs)
     prove.py      proving a product: the verdict for a kind of product, the check of each new shape
     proof.py      the rules a proof applies (SQNR against a reference, the twin's margin, which outputs, timing)
     book.py       the book of verdicts, proven shapes and failures; the verdict file

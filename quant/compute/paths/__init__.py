@@ -4,6 +4,9 @@
     fp8.py       "fp8": activation to FP8, then one scaled matmul
     int8.py      "int8": activation rotated and quantized per token, int8 GEMM
     kitchen.py   "kitchen int8": comfy-kitchen's int8 linear, where the ComfyUI in use brings comfy-kitchen
+    kitchen_int4.py  "kitchen awq" and "kitchen svdquant": comfy-kitchen's AWQ W4A16 and SVDQuant W4A4 linears,
+                 on CUDA devices where kitchen's CUDA backend is enabled (elsewhere its eager code is
+                 weight-only's own math)
     fused.py     "fused weight-only" and "fused nvfp4": the CUDA GEMMs that convert the weight in registers
     base.py      what every path declares (``Path``), and the reference math of their proofs
 
@@ -21,13 +24,15 @@ from .fp8 import FP8
 from .fused import FUSED_NVFP4, FUSED_WEIGHT_ONLY
 from .int8 import INT8
 from .kitchen import KITCHEN_INT8
+from .kitchen_int4 import KITCHEN_AWQ, KITCHEN_SVDQUANT
 from .plain import WEIGHT_ONLY
 
-__all__ = ["Path", "PATHS", "REGISTRY", "WEIGHT_ONLY", "FP8", "INT8", "KITCHEN_INT8", "FUSED_WEIGHT_ONLY",
+__all__ = ["Path", "PATHS", "REGISTRY", "WEIGHT_ONLY", "FP8", "INT8", "KITCHEN_INT8", "KITCHEN_AWQ",
+           "KITCHEN_SVDQUANT", "FUSED_WEIGHT_ONLY",
            "FUSED_NVFP4"]
 
 # In order of preference where fast paths are trusted (no proof); the plain path last.
-PATHS = (FP8, INT8, KITCHEN_INT8, FUSED_WEIGHT_ONLY, FUSED_NVFP4, WEIGHT_ONLY)
+PATHS = (FP8, INT8, KITCHEN_INT8, KITCHEN_AWQ, KITCHEN_SVDQUANT, FUSED_WEIGHT_ONLY, FUSED_NVFP4, WEIGHT_ONLY)
 REGISTRY = {p.name: p for p in PATHS}
 assert len(REGISTRY) == len(PATHS) and PATHS[-1].plain
 _book.REGISTERED.update(REGISTRY)  # what the verdict book accepts from its file
