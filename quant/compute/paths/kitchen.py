@@ -34,7 +34,7 @@ from .int8 import INT8, int8_operand
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["module", "takes", "int8_linear", "KitchenInt8", "KITCHEN_INT8"]
+__all__ = ["module", "takes", "int8_linear", "same_product", "KitchenInt8", "KITCHEN_INT8"]
 
 _found: dict = {}
 
@@ -108,17 +108,25 @@ class KitchenInt8(Path):
         def cols(out: torch.Tensor) -> torch.Tensor:
             return out.index_select(1, sample.cols)
 
-        def agrees(got: torch.Tensor) -> str | None:
-            ref = ref_product(xr, wref(), bias, sample, rdt)
-            mine, theirs = proof.sqnr_db(pack_twin(), ref), proof.sqnr_db(got, ref)
-            need = min(mine, proof.CEILING_DB) - proof.MARGIN_DB
-            if theirs >= need:
-                return None
-            return (f"computes another product than the weight's: {theirs:.1f} dB against the dequantized weight's, "
-                    f"the pack's int8 {mine:.1f} dB (needs {need:.1f})")
-
         b = None if bias is None else bias.to(cdt)
-        return (lambda: cols(_eager(xr, w8, b, cdt)), lambda: cols(_eager(xr, w8, b, torch.float32)), agrees)
+        return (lambda: cols(_eager(xr, w8, b, cdt)), lambda: cols(_eager(xr, w8, b, torch.float32)),
+                same_product(xr, wref, bias, sample, rdt, pack_twin, "the pack's int8"))
+
+
+def same_product(xr, wref, bias, sample, rdt, baseline, who: str):
+    """A proof's ``agrees``: the output against the weight's own dequantized product (``ref_product``) no worse
+    than ``baseline()``'s (``who``: an implementation of the same product known to read the weight right) by
+    more than ``proof.MARGIN_DB``, so a kernel reading the weight differently fails even where its own eager
+    code agrees with it."""
+    def agrees(got: torch.Tensor) -> str | None:
+        ref = ref_product(xr, wref(), bias, sample, rdt)
+        mine, theirs = proof.sqnr_db(baseline(), ref), proof.sqnr_db(got, ref)
+        need = min(mine, proof.CEILING_DB) - proof.MARGIN_DB
+        if theirs >= need:
+            return None
+        return (f"computes another product than the weight's: {theirs:.1f} dB against the dequantized weight's, "
+                f"{who} {mine:.1f} dB (needs {need:.1f})")
+    return agrees
 
 
 KITCHEN_INT8 = KitchenInt8()

@@ -49,8 +49,8 @@ import torch
 from ...layouts.awq import is_awq
 from ...layouts.svdquant import UNSIGNED_SHIFT, is_svdquant
 from .. import proof
-from .base import Path, cached_on_weight, ref_product
-from .kitchen import module
+from .base import Path, cached_on_weight
+from .kitchen import module, same_product
 
 __all__ = ["fast_here", "awq_takes", "svdquant_takes", "awq_linear", "svdquant_quantize", "svdquant_mm",
            "svdquant_linear", "KitchenAWQ", "KitchenSVDQuant", "KITCHEN_AWQ", "KITCHEN_SVDQUANT"]
@@ -153,20 +153,6 @@ def svdquant_linear(x: torch.Tensor, w, bias, cdt: torch.dtype) -> torch.Tensor:
     return svdquant_mm(codes, ascales, lora, w, parts, _svdq_bias(w, bias, cdt))[:m]
 
 
-def _agrees(xr, wref, bias, sample, rdt, eager_product, what: str):
-    """The check against the weight's own dequantized product: no worse than kitchen's eager product there by
-    more than ``proof.MARGIN_DB``."""
-    def agrees(got: torch.Tensor) -> str | None:
-        ref = ref_product(xr, wref(), bias, sample, rdt)
-        mine, theirs = proof.sqnr_db(eager_product(), ref), proof.sqnr_db(got, ref)
-        need = min(mine, proof.CEILING_DB) - proof.MARGIN_DB
-        if theirs >= need:
-            return None
-        return (f"computes another product than the weight's: {theirs:.1f} dB against the dequantized weight's, "
-                f"kitchen's eager {what} {mine:.1f} dB (needs {need:.1f})")
-    return agrees
-
-
 class KitchenAWQ(Path):
     """``comfy_kitchen.gemv_awq_w4a16`` on AWQ W4A16 weights, CUDA only (module docstring)."""
 
@@ -198,7 +184,8 @@ class KitchenAWQ(Path):
                                                bias=None if b is None else b.to(dtype), group_size=group)
 
         twin = lambda: eager(cdt)  # noqa: E731
-        return twin, lambda: eager(torch.float32), _agrees(xr, wref, bias, sample, rdt, twin, "gemv_awq_w4a16")
+        agrees = same_product(xr, wref, bias, sample, rdt, twin, "kitchen's eager gemv_awq_w4a16")
+        return twin, lambda: eager(torch.float32), agrees
 
 
 class KitchenSVDQuant(Path):
@@ -254,7 +241,7 @@ class KitchenSVDQuant(Path):
             return eager_mm(q[:m], a[:, :m], lora[:m], cdt)
 
         return (lambda: eager_mm(*codes(), cdt), lambda: eager_mm(*codes(), torch.float32),
-                _agrees(x_rows, wref, bias, sample, rdt, eager_product, "W4A4 product"))
+                same_product(x_rows, wref, bias, sample, rdt, eager_product, "kitchen's eager W4A4 product"))
 
 
 KITCHEN_AWQ = KitchenAWQ()
