@@ -458,17 +458,14 @@ class QuantizeModelToFP8(io.ComfyNode):
                                                                        "text": [report.worst_text()]})
 
 
-def _back_to_fp8(module: torch.nn.Module, sd: dict) -> int:
+def _back_to_fp8(sd: dict) -> int:
     """Weights of ``sd`` that memory first made int8 (``ComputeConfig.keep_fp8=False``) go back to the FP8 form
     they were loaded in, each re-quantized from its int8 values when the writer reaches it (one layer's copy at
     a time): the file is what the user loaded, in the form the loaded file had (per-tensor e4m3fn stays readable
-    by stock ComfyUI), whichever layers happened to run int8. The form is kept on the module's own weight
-    objects (``state_dict`` gives detached copies). Returns how many were re-quantized."""
+    by stock ComfyUI), whichever layers happened to run int8. Returns how many were re-quantized."""
     count = 0
-    for key, w in module.named_parameters():
-        if key not in sd or not is_int8(w):
-            continue
-        form = dropped_fp8_form(w)
+    for key, w in list(sd.items()):
+        form = dropped_fp8_form(w) if is_int8(w) else None
         if form is None:
             continue
         sd[key] = save.PendingQuantized(tuple(w.shape), form.dtype, form.layout, form.input_scale is not None,
@@ -493,7 +490,8 @@ class SaveFP8Model(io.ComfyNode):
             "the output folder, atomically; an existing file is never replaced (a counter is added). Per-tensor "
             "FP8 files load unchanged in stock ComfyUI's Load Diffusion Model; row- and block-wise files need "
             "this pack's loader, and the node says so. Weights that are not FP8 keep the dtype of the file they "
-            "were loaded from, or the one picked here.",
+            "were loaded from, or the one picked here. Layers that a loader's 'auto (memory first)' made int8 are "
+            "written re-quantized into the FP8 form they were loaded in.",
             inputs=[io.Model.Input("model", tooltip="The model to save (e.g. from Quantize Model to FP8)."),
                     io.String.Input("filename_prefix", default="fp8/model",
                                     tooltip="Name (and subfolder) inside the output folder; a counter is appended. "
@@ -519,7 +517,7 @@ class SaveFP8Model(io.ComfyNode):
         comfy.model_management.load_models_gpu([model], force_full_load=True)
         sd = model.model.diffusion_model.state_dict()
         sd = {k: (v.detach() if not isinstance(v, QuantizedTensor) else v) for k, v in sd.items()}
-        refp8 = _back_to_fp8(model.model.diffusion_model, sd)
+        refp8 = _back_to_fp8(sd)
         source = getattr(model.model, SOURCE_DTYPES_ATTR, None)
         # ComfyUI holds every model in float32 on the CPU whatever its file held; bfloat16 is what models
         # are published in, so it stands in for a source dtype this pack never saw.
