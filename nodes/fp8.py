@@ -39,6 +39,8 @@ from comfy_api.latest import io
 
 from ..quant import ComputeConfig, QuantizedTensor, formats, save
 from ..quant.compute import Book, book_for_file, default_book
+from ..quant.compute.int8 import is_int8
+from ..quant.compute.paths.int8 import dropped_fp8_form, in_fp8_form
 from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, MAX_KEEP_PATTERN_CHARS, MAX_KEEP_PATTERNS, quantize_module
 from ..quant.quantize_model import keep_patterns as compile_keep_patterns
 from . import CATEGORY, NODE_ID_PREFIX
@@ -49,8 +51,11 @@ logger = logging.getLogger(__name__)
 
 FP8_CATEGORY = f"{CATEGORY}/fp8"
 
+# the compute_path choice that is "auto" with ComputeConfig.keep_fp8=False (added last: saved workflows name
+# their choice, and the default stays "auto")
+MEMORY_FIRST = "auto (memory first)"
 COMPUTE_PATHS = {"auto": "auto", "fp8 matmul": "fp8", "weight-only": "weight_only", "int8": "int8",
-                 "int8 without rotation": "int8"}
+                 "int8 without rotation": "int8", MEMORY_FIRST: "auto"}
 ACT_SCALING = {"auto": "auto", "static": "static", "dynamic per tensor": "dynamic_tensor", "dynamic per row": "dynamic_row"}
 COMPUTE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ROUNDING = ("nearest", "stochastic")
@@ -81,7 +86,13 @@ def _options():
                        "fp8 matmul: always try it (falls back if it fails). weight-only: dequantize and multiply. "
                        "int8: weights converted to int8 per channel at load (rotated by a 128-wide Hadamard "
                        "transform, which tames activation outliers, unless 'without rotation'), activations per token; "
-                       "auto converts a layer only at its first call that runs int8."),
+                       "auto converts a layer only at its first call that runs int8 and keeps the file's form "
+                       "beside it (about one more byte per parameter of each converted layer) for the calls where "
+                       "weight-only won. auto (memory first): the same, but a layer whose call ran int8 drops the "
+                       "file's form and keeps only the int8 one, saving that byte per parameter; its later "
+                       "weight-only calls then multiply the int8 values (about 40 dB SQNR against the file's), and "
+                       "Save FP8 Model re-quantizes such layers to their FP8 form. Only devices where auto runs int8 "
+                       "(INT8 without FP8 units) are affected."),
         io.Combo.Input("activation_scaling", options=list(ACT_SCALING), default="auto",
                        tooltip="How activations are scaled for fp8 x fp8. auto: one dynamic scale per row (token), "
                        "quantized in one fused pass; the most accurate and, on FP8 GPUs, the fastest. static: the "
@@ -108,7 +119,7 @@ def _config(compute_path, activation_scaling, compute_dtype, fast_paths=FAST_PAT
         verdict_book().forget(comfy.model_management.get_torch_device())
     return ComputeConfig(path=COMPUTE_PATHS[compute_path], activation_scaling=ACT_SCALING[activation_scaling],
                          compute_dtype=COMPUTE_DTYPES[compute_dtype],
-                         int8_rotation=compute_path != "int8 without rotation",
+                         int8_rotation=compute_path != "int8 without rotation", keep_fp8=compute_path != MEMORY_FIRST,
                          trust_fast_paths=fast_paths == "trust without proving", book=verdict_book())
 
 
@@ -124,13 +135,17 @@ def _path_label(cfg: ComputeConfig, ops=None) -> str:
     from ..quant import fp8_supported
 
     how = "by capability" if cfg.trust_fast_paths else "where proven and measured faster"
+    unused = "" if cfg.keep_fp8 else "; memory first changes nothing here (no layer is converted to int8)"
     if fp8_supported(device):
-        return f"auto: fp8 matmul ({cfg.activation_scaling}) {how}, else weight-only"
+        return f"auto: fp8 matmul ({cfg.activation_scaling}) {how}, else weight-only{unused}"
     from ..quant.compute.int8 import int8_supported
 
     if int8_supported(device):  # per token class int8 or weight-only, as measured; converted at first use
+        if not cfg.keep_fp8:
+            return (f"auto (memory first): {int8_label} on {device} {how} (layers converted at first use drop their "
+                    "FP8 form), else weight-only")
         return f"auto: {int8_label} on {device} {how} (layers converted at first use), else weight-only"
-    return f"auto: weight-only on {device}"
+    return f"auto: weight-only on {device}{unused}"
 
 
 def _progress_fn():
@@ -443,6 +458,22 @@ class QuantizeModelToFP8(io.ComfyNode):
                                                                        "text": [report.worst_text()]})
 
 
+def _back_to_fp8(sd: dict) -> int:
+    """Weights of ``sd`` that memory first made int8 (``ComputeConfig.keep_fp8=False``) go back to the FP8 form
+    they were loaded in, each re-quantized from its int8 values when the writer reaches it (one layer's copy at
+    a time): the file is what the user loaded, in the form the loaded file had (per-tensor e4m3fn stays readable
+    by stock ComfyUI), whichever layers happened to run int8. Returns how many were re-quantized."""
+    count = 0
+    for key, w in list(sd.items()):
+        form = dropped_fp8_form(w) if is_int8(w) else None
+        if form is None:
+            continue
+        sd[key] = save.PendingQuantized(tuple(w.shape), form.dtype, form.layout, form.input_scale is not None,
+                                        (lambda w=w: in_fp8_form(w)))
+        count += 1
+    return count
+
+
 SAVE_DTYPES = {"as loaded": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -459,7 +490,8 @@ class SaveFP8Model(io.ComfyNode):
             "the output folder, atomically; an existing file is never replaced (a counter is added). Per-tensor "
             "FP8 files load unchanged in stock ComfyUI's Load Diffusion Model; row- and block-wise files need "
             "this pack's loader, and the node says so. Weights that are not FP8 keep the dtype of the file they "
-            "were loaded from, or the one picked here.",
+            "were loaded from, or the one picked here. Layers that a loader's 'auto (memory first)' made int8 are "
+            "written re-quantized into the FP8 form they were loaded in.",
             inputs=[io.Model.Input("model", tooltip="The model to save (e.g. from Quantize Model to FP8)."),
                     io.String.Input("filename_prefix", default="fp8/model",
                                     tooltip="Name (and subfolder) inside the output folder; a counter is appended. "
@@ -485,6 +517,7 @@ class SaveFP8Model(io.ComfyNode):
         comfy.model_management.load_models_gpu([model], force_full_load=True)
         sd = model.model.diffusion_model.state_dict()
         sd = {k: (v.detach() if not isinstance(v, QuantizedTensor) else v) for k, v in sd.items()}
+        refp8 = _back_to_fp8(sd)
         source = getattr(model.model, SOURCE_DTYPES_ATTR, None)
         # ComfyUI holds every model in float32 on the CPU whatever its file held; bfloat16 is what models
         # are published in, so it stands in for a source dtype this pack never saw.
@@ -499,6 +532,10 @@ class SaveFP8Model(io.ComfyNode):
         where = os.path.relpath(result.path, out_dir)
         msg = (f"saved output/{where}\n{result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} FP8 layers; "
                f"{dtype_note}.\n"
+               + (f"{refp8} layer(s) had run int8 under compute_path auto (memory first) and kept no FP8 data: "
+                  "written re-quantized from their int8 values into the FP8 form they were loaded in (near the "
+                  "loaded values, not their bytes; load with compute_path auto to save those exactly).\n"
+                  if refp8 else "")
                + ("Stock ComfyUI's Load Diffusion Model reads it unchanged." if result.stock_comfy_readable else
                   "Its MXFP8 layers are in ComfyUI 0.29's own form: stock ComfyUI 0.29 and newer read them; "
                   "ComfyUI 0.3.75 cannot (for it, quantize per tensor)." if "mxfp8" in result.granularities else

@@ -12,7 +12,10 @@
 - supports ComfyUI weight patches (LoRA ...) through the `convert_weight` / `set_weight` hooks that
   `comfy.model_patcher` looks up: dequantize -> patch -> requantize into the same layout and FP8
   dtype with a fresh scale (round to nearest, or stochastic with ComfyUI's per-key seed). The
-  patcher keeps the original QuantizedTensor as its backup, so unpatching restores the exact bytes.
+  patcher keeps the original QuantizedTensor as its backup, so unpatching restores the exact bytes. Under
+  memory first (compute_path "auto (memory first)") a weight may have become int8 in place before or while
+  it is patched: it is patched in its int8 layout, and unpatching gives back the original weight in the
+  form it has now (its int8 one once a call of it ran int8).
 Options live on the fresh class only (never on a shared class), so two loads never leak into each other.
 """
 
@@ -28,7 +31,7 @@ import torch
 from ..quant import ComputeConfig, QuantizedTensor
 from ..quant import linear as quant_linear
 from ..quant.compute import int8 as quant_int8
-from ..quant.compute.paths.int8 import sampled_conversion_sqnr_db
+from ..quant.compute.paths.int8 import carry_fp8_form, sampled_conversion_sqnr_db
 from ..quant.errors import QuantizationError
 from ..quant.layouts import mxfp8, nvfp4
 from ..quant.layouts.expert import bank_at_shape
@@ -191,7 +194,11 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                         cur.scale.copy_(new.scale)
                         cur.scales_written()
                 else:
-                    self.weight = torch.nn.Parameter(new, requires_grad=False)
+                    # a weight made int8 by memory first is patched in its int8 layout (one rounding, no FP8
+                    # data to come back to); the patched one still knows the FP8 form to be saved in
+                    param = torch.nn.Parameter(new, requires_grad=False)
+                    carry_fp8_form(cur, param)
+                    self.weight = param
                 return None
 
         class MoEExperts(torch.nn.Module, comfy.ops.CastWeightBiasOp):

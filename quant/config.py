@@ -49,7 +49,8 @@ class ComputeConfig:
         form is dropped and the weight becomes the int8 one in place (its ``qdata``, ``scale`` and
         ``layout``): that byte per parameter is freed, and every later call of that weight, weight-only
         included, multiplies the int8 values (SQNR ~40 dB against the FP8 ones); its kinds of call are
-        proven anew for the int8 layout.
+        proven anew for the int8 layout. The loaders offer it as compute_path "auto (memory first)"; the weight
+        remembers its FP8 form, and Save FP8 Model writes it back in that form (``paths.int8.in_fp8_form``).
     book:
         where the verdicts of those proofs are kept (a ``compute.book.Book``: the loaders pass the one of
         ComfyUI's user folder); None = this process's in-memory book. Not part of equality or repr.

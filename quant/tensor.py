@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["QuantizedTensor", "dequantize_fallback"]
 
 _TENSOR_FIELDS = ("qdata", "scale", "input_scale")  # input_scale may be None
+# where a weight that memory first made int8 in place keeps its former FP8 form (compute/paths/int8.py)
+DROPPED_FP8_FORM = "_dropped_fp8_form"
 _META_FIELDS = ("layout", "orig_dtype", "config", "transposed")
 _ORIG_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -203,8 +205,15 @@ class QuantizedTensor(torch.Tensor):
             # shares their version counter, which inference tensors do not have). ComfyUI runs
             # models under inference_mode with weights made outside it.
             with torch.inference_mode(False):
-                return QuantizedTensor(*args)
-        return QuantizedTensor(*args)
+                out = QuantizedTensor(*args)
+        else:
+            out = QuantizedTensor(*args)
+        form = self.__dict__.get(DROPPED_FP8_FORM)
+        if form is not None and "layout" not in changes:
+            # the same weight (a detached copy, a move, another config: what torch's Module.to and
+            # nn.Parameter make of it) still knows the FP8 form memory first dropped
+            out.__dict__[DROPPED_FP8_FORM] = form
+        return out
 
     def _map_tensors(self, fn) -> "QuantizedTensor":
         """New QuantizedTensor with ``fn`` applied to every inner tensor (clone, detach, moves)."""

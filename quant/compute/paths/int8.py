@@ -15,21 +15,22 @@ torch; never imports ComfyUI.
 
 from __future__ import annotations
 
-import torch
-
 import logging
 import math
 import time
+from dataclasses import dataclass
+
+import torch
 
 from ...errors import QuantizationError
 from ...kernels.int8_mm import quantize_rows_int8_torch
 from ...runtime import first_line, log_once, tracing
-from ...tensor import QuantizedTensor
+from ...tensor import DROPPED_FP8_FORM, QuantizedTensor
 from .. import int8, proof
 from .base import Path, bias_cols, cached_on_weight, weight_reference
 
 __all__ = ["Int8Path", "INT8", "int8_operand", "int8_takes", "sampled_conversion_sqnr_db", "SQNR_ROWS",
-           "drop_fp8_form"]
+           "drop_fp8_form", "FP8Form", "dropped_fp8_form", "carry_fp8_form", "in_fp8_form"]
 
 logger = logging.getLogger("fp8_engram.quant.compute.linear")
 
@@ -71,15 +72,54 @@ def int8_operand(w, cfg, device):
 _UNCONVERTIBLE = object()
 
 
+@dataclass(frozen=True)
+class FP8Form:
+    """What a weight was before memory first made it int8 in place: its layout, stored dtype and input scale
+    (a few bytes; the FP8 data itself is gone)."""
+
+    layout: object
+    dtype: torch.dtype
+    input_scale: torch.Tensor | None
+
+
+_FP8_FORM = DROPPED_FP8_FORM  # where a weight keeps its FP8Form (its __dict__; its copies and moves keep it too)
+
+
+def dropped_fp8_form(w) -> FP8Form | None:
+    """The FP8 form ``w`` had before memory first dropped it (``drop_fp8_form``), or None where it never did."""
+    return getattr(w, "__dict__", {}).get(_FP8_FORM)
+
+
+def carry_fp8_form(src, dst) -> None:
+    """``dst`` replaces ``src`` (a weight patch): it remembers the FP8 form ``src`` dropped, if any."""
+    form = dropped_fp8_form(src)
+    if form is not None:
+        dst.__dict__[_FP8_FORM] = form
+
+
+def in_fp8_form(w):
+    """``w`` (a weight whose FP8 form was dropped; never a transposed view, which is never dropped) re-quantized
+    from its int8 values into that FP8 form: a new QuantizedTensor (same logical dtype, shape and config; the
+    remembered input scale). Rounds once more, so it is near the dropped FP8 data, not equal to it."""
+    form = dropped_fp8_form(w)
+    if form is None:
+        raise QuantizationError("in_fp8_form: this weight never dropped an FP8 form")
+    fresh = QuantizedTensor.from_float(w.canonical().dequantize(torch.float32), form.layout, fp8_dtype=form.dtype)
+    return QuantizedTensor.from_parts(fresh.qdata, fresh.scale, form.layout, orig_dtype=w.orig_dtype,
+                                      input_scale=form.input_scale, config=w.config)
+
+
 def drop_fp8_form(w, w8) -> bool:
     """Memory first (``ComputeConfig.keep_fp8=False``): make the FP8 weight ``w`` the int8 weight ``w8`` it was
     converted to, in place (``qdata``, ``scale``, ``layout``; the logical dtype, shape and config stay), so its
-    FP8 data and the cached conversion are one int8 copy instead of two. What was derived from the old form
-    (the conversion itself, the routes of its kinds of call) is forgotten: later calls are routed, and proven
-    where needed, for the int8 layout. Only where both forms live on the same device (an offloaded weight's
+    FP8 data and the cached conversion are one int8 copy instead of two; the weight remembers its FP8 form
+    (``dropped_fp8_form``: layout, dtype, input scale) so a saver can write it back in that form. What was
+    derived from the old form (the conversion itself, the routes of its kinds of call) is forgotten: later
+    calls are routed, and proven where needed, for the int8 layout. Only where both forms live on the same device (an offloaded weight's
     per-call copy on a GPU is not the weight). True where it was dropped."""
     if not int8.is_int8(w8) or int8.is_int8(w) or w8.qdata.device != w.qdata.device or w8.qdata.shape != w.qdata.shape:
         return False
+    w.__dict__[_FP8_FORM] = FP8Form(w.layout, w.qdata.dtype, w.input_scale)  # what Save FP8 Model writes back
     w.qdata, w.scale, w._qlayout, w.input_scale = w8.qdata, w8.scale, w8.layout, None
     w.__dict__.pop("_derived", None)
     w.__dict__.pop("_routes", None)
