@@ -49,10 +49,27 @@ memory sits on 2 CPU ranks. What needs a GPU (VRAM figures, offloading, the VRAM
 ranks) is reported as skipped. tests/integration/test_e2e_tiny.py runs it, and checks that the Flux model,
 its T5-XXL and the Flux CLIP this script builds on the GPU are what ComfyUI detects (shapes only).
 
-    python bench/e2e.py [--tiny] [--double 5] [--single 10] [--steps 8] [--skip-engram] [--keep-dir DIR]
-    python bench/e2e.py --tiny --arch flux --skip-engram   # the Flux path on the CPU (1+1 blocks: minutes)
+Image sizes: --image takes one size or a comma-separated list (default 1024; --tiny 32; --tiny --arch flux
+32,512: about 20 and 1040 tokens, the two ends a CPU user meets). The model files are made once (they do not
+depend on the size); each size then loads and samples its variants again, so load time and first step are
+counted per size as for one. The first size runs every variant and the VAE, offload, unload and engram parts;
+each later size runs stock_bf16, stock_fp8_mixed, pack_auto and pack_weight_only (the stock cast/fast
+routes run at the first size only: the output says so). Each size gets a fresh book of fast-path verdicts:
+the loaders take theirs from ComfyUI's user folder (nodes/fp8.py verdict_book(), one book per verdict file
+per process), and the bench points that folder at an empty one of its own per size, so pack_auto's first
+step at every size is a user's first run: it proves the token classes of that size (quant/compute/book.py
+M_CLASSES) with no verdict from an earlier size or an earlier run (the text tokens' class, for one, is
+shared by every size). What else the process keeps warm from one size to the next (imports, torch's
+kernels) stays warm, for every variant alike.
+Per size, the JSON's "sizes" list holds the rows and the ratios the CPU question turns on: pack_auto's and
+pack_weight_only's later step over stock_bf16's, pack_auto's load over pack_weight_only's and over
+stock_fp8_mixed's, pack_auto's first step over pack_weight_only's, and pack_auto's latent SQNR minus
+pack_weight_only's (dB). "variants" and "ratios" stay the first size's.
 
-Prints a table and, as the last line, one JSON object {"bench": "e2e", ...}.
+    python bench/e2e.py [--tiny] [--double 5] [--single 10] [--steps 8] [--image 1024] [--skip-engram] [--keep-dir DIR]
+    python bench/e2e.py --tiny --arch flux --skip-engram   # the Flux path on the CPU at 32 and 512 px (1+1 blocks: minutes)
+
+Prints a table (a row per size and variant) and, as the last line, one JSON object {"bench": "e2e", ...}.
 """
 
 from __future__ import annotations
@@ -695,14 +712,39 @@ def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def parse_sizes(text: str) -> list[int]:
+    """--image's value: pixels per side, one size or a comma-separated list, each a positive multiple of 16
+    (one Flux patch of latents), no size twice."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: pixels per side, e.g. 32 or 32,512") from None
+    bad = [v for v in sizes if v < 16 or v % 16]
+    if not sizes or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: pixels per side must be positive multiples of 16 "
+                                         "(one Flux patch of latents)")
+    if len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: a size is given twice")
+    return sizes
+
+
+def default_sizes(tiny: bool, arch: str | None) -> list[int]:
+    """Sizes when --image is not given: the GPU measurement's 1024; --tiny sd3 (the test suite's run) 32;
+    --tiny flux 32 and 512 (about 20 and 1040 tokens)."""
+    if not tiny:
+        return [1024]
+    return [32, 512] if arch == "flux" else [32]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="CPU, tiny shapes (what the test suite runs)")
     p.add_argument("--double", type=int, help="double-stream blocks (default 5; tiny 1)")
     p.add_argument("--single", type=int, help="single-stream blocks (default 10; tiny 1)")
     p.add_argument("--steps", type=int, help="sampling steps (default 8; tiny 2)")
-    p.add_argument("--image", type=int, help="pixels per side (default 1024; tiny 32). Flux takes (pixels/16)^2 image "
-                   "tokens beside its text tokens (tiny: 16): 32 -> 20 tokens in all, 512 -> 1040")
+    p.add_argument("--image", type=parse_sizes, help="pixels per side, one size or a comma-separated list (default 1024; "
+                   "tiny 32; tiny flux 32,512). Flux takes (pixels/16)^2 image tokens beside its text tokens (tiny: 16): "
+                   "32 -> 20 tokens in all, 512 -> 1040")
     p.add_argument("--engram-ranks", type=int, default=4, help="CUDA ranks sharing the GPU for the engram memory")
     p.add_argument("--rows-per-head", type=int, help="engram rows per hash head (default 65536; tiny 4096)")
     p.add_argument("--skip-engram", action="store_true")
@@ -711,16 +753,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
-    if args.image is not None and (args.image < 16 or args.image % 16):
-        p.error(f"--image {args.image}: pixels per side must be a positive multiple of 16 (one Flux patch of latents)")
+    sizes = args.image or default_sizes(args.tiny, args.arch)
 
     if args.tiny:
         flux = args.arch == "flux"  # a Flux at --tiny sizes: 1 double + 1 single block are 0.55 G parameters
         shape = Shape(arch="flux" if flux else "sd3", double=args.double or (1 if flux else 2),
-                      single=(args.single or 1) if flux else 0, image=args.image or 32, text_tokens=16, steps=args.steps or 3,
+                      single=(args.single or 1) if flux else 0, image=sizes[0], text_tokens=16, steps=args.steps or 3,
                       vec_dim=2048, engram_repeats=1)
     else:
-        shape = Shape(arch="flux", double=args.double or 5, single=args.single or 10, image=args.image or 1024, text_tokens=512,
+        shape = Shape(arch="flux", double=args.double or 5, single=args.single or 10, image=sizes[0], text_tokens=512,
                       steps=args.steps or 8, vec_dim=768, engram_repeats=10)
     rows_per_head = args.rows_per_head or (4096 if args.tiny else 65536)
     work = Path(args.keep_dir) if args.keep_dir else Path(tempfile.mkdtemp(prefix="fp8_e2e_", dir=scratch_dir(shape)))
@@ -740,10 +781,10 @@ def main(argv: list[str] | None = None) -> int:
                               "double": shape.double, "single": shape.single,
                               "flux_dev_blocks_fraction": round((shape.double + shape.single) / 57, 3) if shape.arch == "flux" else None,
                               "image": shape.image, "image_tokens": shape.image_tokens, "text_tokens": shape.text_tokens,
-                              "steps": shape.steps}, "skipped": skipped}
+                              "steps": shape.steps, "images": sizes}, "skipped": skipped}
     try:
         with torch.inference_mode():  # as ComfyUI's executor runs every node
-            run_all(c, args, shape, rows_per_head, vram, result, models_dir)
+            run_all(c, args, shape, rows_per_head, vram, result, models_dir, sizes)
     except Exception as exc:  # still print what was measured, and say what broke
         logger.exception("the run stopped")
         result.setdefault("errors", {})["run"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -761,10 +802,73 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result.get("errors") else 0
 
 
-def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result: dict, models_dir: Path) -> None:
-    """Every part in turn; a part that fails is recorded in result["errors"] and the others still run."""
+# The variants every size runs (the issue's four); the stock cast/fast routes run at the first size only.
+PER_SIZE_VARIANTS = ("stock_bf16", "stock_fp8_mixed", "pack_auto", "pack_weight_only")
+
+
+def fresh_book(work: Path, image: int) -> Path:
+    """Point ComfyUI's user folder, where the loaders keep their fast-path verdicts (nodes/fp8.py
+    verdict_book()), at an empty folder of this run for `image`: a new verdict file is a new book, so the
+    size's first pack_auto step proves its own token classes, as a user's first run at that size does (and
+    the bench never reads or writes the verdicts of the ComfyUI tree it runs on)."""
+    import shutil
+
+    import folder_paths
+
+    user = work / "user" / f"{image}px"
+    shutil.rmtree(user, ignore_errors=True)  # --keep-dir: a folder left by an earlier run
+    user.mkdir(parents=True)
+    folder_paths.set_user_directory(str(user))
+    return user
+
+
+def finish_rows(c: Comfy, rows: list, latents: dict) -> None:
+    """Each row's latent SQNR against the same size's stock_bf16 (float64) and whether its latent is finite."""
+    base = latents.get("stock_bf16")
+    for row in rows:
+        lat = latents.get(row["variant"])
+        if lat is not None:
+            row["sqnr_db"] = sqnr_db(base, lat) if base is not None else None
+            row["finite"] = bool(c.torch.isfinite(lat).all())
+
+
+def size_ratios(rows: list) -> dict:
+    """The per-size figures issue 35 is judged on, from one size's rows (None where a variant or a figure is
+    missing): later step over stock_bf16's for pack_auto and pack_weight_only, pack_auto's load over
+    pack_weight_only's and stock_fp8_mixed's, pack_auto's first step over pack_weight_only's, and pack_auto's
+    latent SQNR minus pack_weight_only's in dB (None when either is infinite)."""
+    by = {r["variant"]: r for r in rows if "error" not in r}
+
+    def over(name, key, base, base_key=None):
+        a, b = (by.get(name) or {}).get(key), (by.get(base) or {}).get(base_key or key)
+        return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
+
+    sa, sw = (by.get("pack_auto") or {}).get("sqnr_db"), (by.get("pack_weight_only") or {}).get("sqnr_db")
+    finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (sa, sw))
+    return {"pack_auto_later_step_over_stock_bf16": over("pack_auto", "step_s", "stock_bf16"),
+            "pack_weight_only_later_step_over_stock_bf16": over("pack_weight_only", "step_s", "stock_bf16"),
+            "pack_auto_load_over_pack_weight_only": over("pack_auto", "load_s", "pack_weight_only"),
+            "pack_auto_load_over_stock_fp8_mixed": over("pack_auto", "load_s", "stock_fp8_mixed"),
+            "pack_auto_first_step_over_pack_weight_only": over("pack_auto", "first_step_s", "pack_weight_only"),
+            "pack_auto_minus_pack_weight_only_sqnr_db": sa - sw if finite else None}
+
+
+def size_entry(shape: Shape, rows: list, skipped_variants: list) -> dict:
+    """One size's part of the JSON: its geometry, its rows and size_ratios()."""
+    return {"image": shape.image, "image_tokens": shape.image_tokens, "tokens": shape.image_tokens + shape.text_tokens,
+            "variants": rows, "variants_skipped": skipped_variants, "ratios": size_ratios(rows)}
+
+
+def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result: dict, models_dir: Path,
+            sizes: list[int] | None = None) -> None:
+    """Every part in turn; a part that fails is recorded in result["errors"] and the others still run.
+    The first of `sizes` (default: shape.image) gets every part; each later one its variants again."""
+    import dataclasses
+
     torch = c.torch
     errors = result.setdefault("errors", {})
+    sizes = sizes or [shape.image]
+    work = models_dir.parent
 
     def guarded(key, fn, *fn_args):
         try:
@@ -790,27 +894,32 @@ def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result
         del a
     c.free()
     start_alloc, start_used = vram.allocated(), vram.device_used()
-    positive = conditioning(c, shape)
+    positive = conditioning(c, shape)  # text only: the same at every size
 
-    rows, latents, kept = [], {}, {}
-    for name, load in loaders(c, files).items():
-        got = guarded(name, run_variant, c, name, load, shape, positive, vram)
-        if got is None:
-            rows.append({"variant": name, "error": errors[name]})
-            continue
-        row, model, samples = got
-        rows.append(row)
-        latents[name] = samples
-        if name == "pack_auto":
-            kept["pack_auto"] = model
-        del model, got
+    def run_size(size_shape: Shape, names, keep: dict, tag: str) -> tuple:
+        fresh_book(work, size_shape.image)
+        rows, latents = [], {}
+        for name, load in loaders(c, files).items():
+            if name not in names:
+                continue
+            got = guarded(f"{name}{tag}", run_variant, c, name, load, size_shape, positive, vram)
+            if got is None:
+                rows.append({"variant": name, "error": errors[f"{name}{tag}"]})
+                continue
+            row, model, samples = got
+            rows.append(row)
+            latents[name] = samples
+            if name == "pack_auto":
+                keep["pack_auto"] = model
+            del model, got
+        finish_rows(c, rows, latents)
+        return rows, latents
+
+    kept: dict = {}
+    rows, latents = run_size(shape, tuple(loaders(c, files)), kept, "")
     base = latents.get("stock_bf16")
-    for row in rows:
-        lat = latents.get(row["variant"])
-        if lat is not None:
-            row["sqnr_db"] = sqnr_db(base, lat) if base is not None else None
-            row["finite"] = bool(torch.isfinite(lat).all())
     result["variants"] = rows
+    result["sizes"] = [size_entry(shape, rows, [])]
     by = {r["variant"]: r for r in rows if "error" not in r}
 
     def vae_part():
@@ -836,6 +945,14 @@ def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result
                                    rows_per_head)
     kept.clear()
     c.free()
+
+    for image in sizes[1:]:  # the files are the same; loads, first steps and verdicts are this size's own
+        size_shape = dataclasses.replace(shape, image=image)
+        logger.info("image %d px (%d tokens)", image, size_shape.image_tokens + size_shape.text_tokens)
+        size_rows, _ = run_size(size_shape, PER_SIZE_VARIANTS, {}, f"@{image}px")
+        c.free()
+        skipped_variants = [n for n in loaders(c, files) if n not in PER_SIZE_VARIANTS]
+        result["sizes"].append(size_entry(size_shape, size_rows, skipped_variants))
 
     def step(name):
         return (by.get(name) or {}).get("step_s")
@@ -898,19 +1015,37 @@ def print_table(r: dict) -> None:
     what = (f"Flux.1-dev-shaped: hidden {s['hidden']}, {s['double']} double + {s['single']} single blocks "
             f"({s['flux_dev_blocks_fraction']:.0%} of Flux.1-dev's 57)" if s["arch"] == "flux" else
             f"tiny SD3 MMDiT: hidden {s['hidden']}, {s['double']} joint blocks")
-    print(f"{what}, {s['image']}x{s['image']} "
-          f"({s['image_tokens']} image + {s['text_tokens']} text tokens), {s['steps']} steps; {r['device']} {r['gpu'] or ''}")
-    print(f"{'variant':<18}{'load s':>8}{'1st step s':>12}{'step s':>9}{'x bf16':>8}{'peak GiB':>10}{'reserved GiB':>14}"
-          f"{'SQNR dB':>9}")
-    bf = next((v for v in r.get("variants", []) if v["variant"] == "stock_bf16" and "error" not in v), {})
-    for v in r.get("variants", []):
-        if "error" in v:
-            print(f"{v['variant']:<18}ERROR {v['error'][:200]}")
-            continue
-        speed = bf["step_s"] / v["step_s"] if v["step_s"] and bf.get("step_s") else None
-        print(f"{v['variant']:<18}{v['load_s']:>8.2f}{v['first_step_s']:>12.2f}{fmt(v['step_s'], '.4f'):>9}"
-              f"{fmt(speed, '.2f'):>8}{fmt(v['peak_alloc_gib'], '.2f'):>10}{fmt(v['peak_reserved_gib'], '.2f'):>14}"
-              f"{fmt(v['sqnr_db'], '>9.1f') if isinstance(v['sqnr_db'], float) else v['sqnr_db']:>9}")
+    images = s.get("images") or [s["image"]]
+    print(f"{what}, {' and '.join(f'{px}x{px}' for px in images)} ({s['text_tokens']} text tokens beside the image's), "
+          f"{s['steps']} steps; {r['device']} {r['gpu'] or ''}")
+    sizes = r.get("sizes") or [{"image": s["image"], "tokens": s["image_tokens"] + s["text_tokens"],
+                                "variants": r.get("variants", []), "variants_skipped": [], "ratios": {}}]
+    print(f"{'px':>5}{'tokens':>7}  {'variant':<18}{'load s':>8}{'1st step s':>12}{'step s':>9}{'x bf16':>8}{'peak GiB':>10}"
+          f"{'reserved GiB':>14}{'SQNR dB':>9}")
+    for size in sizes:
+        at = f"{size['image']:>5}{size['tokens']:>7}  "
+        bf = next((v for v in size["variants"] if v["variant"] == "stock_bf16" and "error" not in v), {})
+        for v in size["variants"]:
+            if "error" in v:
+                print(f"{at}{v['variant']:<18}ERROR {v['error'][:200]}")
+                continue
+            speed = bf["step_s"] / v["step_s"] if v["step_s"] and bf.get("step_s") else None
+            sqnr = v.get("sqnr_db")
+            print(f"{at}{v['variant']:<18}{v['load_s']:>8.2f}{v['first_step_s']:>12.2f}{fmt(v['step_s'], '.4f'):>9}"
+                  f"{fmt(speed, '.2f'):>8}{fmt(v['peak_alloc_gib'], '.2f'):>10}{fmt(v['peak_reserved_gib'], '.2f'):>14}"
+                  f"{format(sqnr, '>9.1f') if isinstance(sqnr, float) else str(sqnr):>9}")
+        if size["variants_skipped"]:
+            print(f"{at}not run at this size (first size only): {', '.join(size['variants_skipped'])}")
+    for size in sizes:
+        q = size["ratios"]
+        if q:
+            print(f"{size['image']} px ({size['tokens']} tokens), time over time: later step pack_auto / stock_bf16 "
+                  f"{fmt(q['pack_auto_later_step_over_stock_bf16'], '.2f')}, pack_weight_only / stock_bf16 "
+                  f"{fmt(q['pack_weight_only_later_step_over_stock_bf16'], '.2f')}; load pack_auto / pack_weight_only "
+                  f"{fmt(q['pack_auto_load_over_pack_weight_only'], '.2f')}, pack_auto / stock_fp8_mixed "
+                  f"{fmt(q['pack_auto_load_over_stock_fp8_mixed'], '.2f')}; first step pack_auto / pack_weight_only "
+                  f"{fmt(q['pack_auto_first_step_over_pack_weight_only'], '.2f')}; SQNR pack_auto - pack_weight_only "
+                  f"{fmt(q['pack_auto_minus_pack_weight_only_sqnr_db'], '+.1f')} dB")
     if r.get("vae"):
         print(f"VAE decode {r['vae']['decode_s']:.2f} s; image SQNR pack_auto vs bf16 {r['vae']['image_sqnr_pack_auto_vs_bf16_db']:.1f} dB")
     if r.get("offload"):

@@ -64,6 +64,11 @@ def test_tiny_run_measures_every_variant_through_comfyui(tiny_run):
         assert rows[name]["model_bytes"] < 0.8 * rows["stock_bf16"]["model_bytes"], name
     assert result["vae"]["image_sqnr_pack_auto_vs_bf16_db"] >= 20.0
     assert result["ratios"]["fastest_stock_fp8"] in ("stock_fp8_cast", "stock_fp8_fast", "stock_fp8_mixed")
+    # One size by default for the tiny SD3 run: its "sizes" entry holds the same rows and the per-size ratios.
+    (size,) = result["sizes"]
+    assert size["image"] == 32 and size["tokens"] == 20 and size["variants"] == result["variants"]
+    assert size["ratios"]["pack_auto_later_step_over_stock_bf16"] > 0
+    assert size["ratios"]["pack_auto_first_step_over_pack_weight_only"] > 0
     assert "pack_auto" in table and "stock_bf16" in table  # the readable table precedes the JSON line
 
 
