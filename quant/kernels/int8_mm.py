@@ -234,7 +234,7 @@ def _int8_linear_blocked(xq, sa, wq, sb, bias, out_dtype):
     for j in range(0, n, cols):
         e = min(n, j + cols)
         acc = workspace("int8_acc", m * (e - j), torch.int32).view(m, e - j)
-        torch._int_mm(xq, wq[j:e].t(), out=acc)
+        acc = torch._int_mm(xq, wq[j:e].t(), out=acc)  # what it returns: a replaced _int_mm may not write out
         f = workspace("int8_epilogue", m * (e - j), torch.float32).view(m, e - j)
         torch.mul(acc, sbf[j:e] if sbf.numel() > 1 else sbf, out=f)
         f.mul_(sa)
