@@ -10,6 +10,7 @@ unloading of the model (ModelPatcher.detach, as free memory and model switches d
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -104,7 +105,7 @@ def test_the_option_keeps_copies_in_the_compute_dtype_with_the_same_bits(env):
     assert len(copies) == len(_linears(model)) == 24 and not _copies(plain)
     dtype = _compute_dtype(model)
     assert {c.dtype for c in copies} == {dtype}
-    print(f"ComfyUI computes this CPU model in {dtype}; kept copies: {dtype}")  # shown with -s
+    logging.getLogger(__name__).info("ComfyUI computes this CPU model in %s; its kept copies are %s", dtype, dtype)
     assert DEQUANT_COPIES.bytes - before == sum(c.numel() * c.element_size() for c in copies)
     del copies
     model.detach(unpatch_all=True)  # what ComfyUI's unloading calls
