@@ -109,21 +109,41 @@ def _options():
                        "of layer; the verdicts are kept in ComfyUI's user folder (fp8_engram/fast_paths.json) until "
                        "the GPU, driver, torch or pack changes. prove again: forget them and prove anew. trust "
                        "without proving: take fast paths by the device's capability alone."),
+        io.Float.Input("dequantized_copies_gb", default=0.0, min=0.0, max=1024.0, step=0.5, optional=True,
+                       tooltip="On the CPU: keep the layers that run weight-only dequantized, up to this many GB "
+                       "for all models together (first layers called first kept), so steps of few tokens run "
+                       "at full-precision speed instead of dequantizing every layer at every call. Costs the "
+                       "compute dtype's size per parameter: ComfyUI computes in float32 on the CPU, 4 bytes per "
+                       "parameter (the copies of a tiny SD3 load here were float32); 2 with compute_dtype "
+                       "bfloat16. Same results; freed when ComfyUI unloads the model. 0 = off."),
     ]
 
 
-def _config(compute_path, activation_scaling, compute_dtype, fast_paths=FAST_PATHS[0]) -> ComputeConfig:
+def _config(compute_path, activation_scaling, compute_dtype, fast_paths=FAST_PATHS[0],
+            dequantized_copies_gb=0.0) -> ComputeConfig:
     if fast_paths not in FAST_PATHS:
         raise ValueError(f"fast_paths must be one of {list(FAST_PATHS)}, got {fast_paths!r}")
+    gb = float(dequantized_copies_gb)
+    if not math.isfinite(gb) or not 0 <= gb <= 1024:
+        raise ValueError(f"dequantized_copies_gb must be between 0 and 1024, got {dequantized_copies_gb!r}")
     if fast_paths == "prove again":
         verdict_book().forget(comfy.model_management.get_torch_device())
     return ComputeConfig(path=COMPUTE_PATHS[compute_path], activation_scaling=ACT_SCALING[activation_scaling],
                          compute_dtype=COMPUTE_DTYPES[compute_dtype],
                          int8_rotation=compute_path != "int8 without rotation", keep_fp8=compute_path != MEMORY_FIRST,
-                         trust_fast_paths=fast_paths == "trust without proving", book=verdict_book())
+                         trust_fast_paths=fast_paths == "trust without proving", dequant_cache_bytes=int(gb * 2**30),
+                         book=verdict_book())
 
 
 def _path_label(cfg: ComputeConfig, ops=None) -> str:
+    label = _compute_label(cfg, ops)
+    if cfg.dequant_cache_bytes:
+        label += (f"; weight-only layers on the CPU kept dequantized up to {cfg.dequant_cache_bytes / 2**30:g} GB "
+                  "(all models together)")
+    return label
+
+
+def _compute_label(cfg: ComputeConfig, ops=None) -> str:
     if cfg.path == "weight_only":
         return "weight-only"
     if cfg.path == "fp8":
@@ -252,8 +272,8 @@ class LoadFP8DiffusionModel(io.ComfyNode):
 
     @classmethod
     def execute(cls, unet_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
-                fast_paths=FAST_PATHS[0]) -> io.NodeOutput:
-        cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
+                fast_paths=FAST_PATHS[0], dequantized_copies_gb=0.0) -> io.NodeOutput:
+        cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths, dequantized_copies_gb)
         header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
         ops = _ops(cfg, patch_rounding, f"diffusion_models/{unet_name}")
         options = {"custom_operations": ops}
@@ -290,8 +310,8 @@ class LoadFP8Checkpoint(io.ComfyNode):
 
     @classmethod
     def execute(cls, ckpt_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
-                fast_paths=FAST_PATHS[0]) -> io.NodeOutput:
-        cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
+                fast_paths=FAST_PATHS[0], dequantized_copies_gb=0.0) -> io.NodeOutput:
+        cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths, dequantized_copies_gb)
         header, sd, report, metadata = _read("checkpoints", ckpt_name, cfg)
         for k in list(sd):
             if k.startswith(VAE_PREFIXES) and isinstance(sd[k], QuantizedTensor):
@@ -334,8 +354,8 @@ class LoadFP8TextEncoder(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip_name, type, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
-                fast_paths=FAST_PATHS[0]) -> io.NodeOutput:
-        cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths)
+                fast_paths=FAST_PATHS[0], dequantized_copies_gb=0.0) -> io.NodeOutput:
+        cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths, dequantized_copies_gb)
         header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
         clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
         ops = _ops(cfg, patch_rounding, f"text_encoders/{clip_name}")

@@ -35,6 +35,7 @@ from ..quant.compute.paths.int8 import carry_fp8_form, sampled_conversion_sqnr_d
 from ..quant.errors import QuantizationError
 from ..quant.layouts import mxfp8, nvfp4
 from ..quant.layouts.expert import bank_at_shape
+from ..quant.compute.paths.plain import drop_kept_copies
 from ..quant.runtime import release_workspace
 
 logger = logging.getLogger(__name__)
@@ -338,16 +339,30 @@ def _fp8_keeping_conv(conv_cls):
 _WORKSPACE_CALLBACK_KEY = "fp8_engram.release_workspace"
 
 
+def _model_weights(patcher):
+    """The weights of `patcher`'s model: its modules' parameters, and the originals its weight patches
+    set aside (ComfyUI's backups, which unpatching puts back)."""
+    model = getattr(patcher, "model", None)
+    if isinstance(model, torch.nn.Module):
+        yield from model.parameters()
+    for saved in getattr(patcher, "backup", {}).values():
+        yield getattr(saved, "weight", None)
+
+
 def _release_workspace_on_detach(patcher, unpatch_all=True) -> None:
     # ComfyUI unloads models on the thread that runs prompts, the thread whose buffers the weight-only
-    # path filled: free them with the model instead of keeping the largest layer's size mapped.
+    # path filled: free them with the model instead of keeping the largest layer's size mapped; and the
+    # dequantized copies its weights keep (ComputeConfig.dequant_cache_bytes), whose bytes go back to the
+    # process's account (the clones sharing these modules make theirs again at their next calls)
     release_workspace()
-    logger.debug("released the FP8 dequantization workspace (model unloaded)")
+    dropped = drop_kept_copies(_model_weights(patcher))
+    logger.debug("released the FP8 dequantization workspace and %d dequantized copies (model unloaded)", dropped)
 
 
 def release_workspace_on_unload(patcher) -> None:
     """Make ComfyUI's unloading of `patcher` (its ModelPatcher: free memory, a model switch) also free
-    the pack's per-thread dequantization buffers. Clones inherit the callback; adding it twice is a no-op."""
+    the pack's per-thread dequantization buffers and the dequantized copies its weights keep. Clones inherit
+    the callback; adding it twice is a no-op."""
     callbacks = getattr(patcher, "callbacks", None)
     if callbacks is None or not hasattr(patcher, "add_callback_with_key"):
         return  # a ComfyUI without model patcher callbacks

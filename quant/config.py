@@ -51,6 +51,16 @@ class ComputeConfig:
         included, multiplies the int8 values (SQNR ~40 dB against the FP8 ones); its kinds of call are
         proven anew for the int8 layout. The loaders offer it as compute_path "auto (memory first)"; the weight
         remembers its FP8 form, and Save FP8 Model writes it back in that form (``paths.int8.in_fp8_form``).
+    dequant_cache_bytes:
+        0 (the default): off. Otherwise, on the CPU, the weight-only path keeps a weight's dequantized copy (in the
+        compute dtype: 2 bytes per parameter in bfloat16, 4 in float32) on the weight and reuses it at later calls
+        instead of dequantizing at every call (at ~20 tokens the dequantization costs ~10x the matmul), within
+        this many bytes kept by the whole process (one account, ``runtime.DEQUANT_COPIES``; the largest budget
+        asked bounds the total). First come, first kept: once the total is full, later layers dequantize per call.
+        Same bits either way (the copy is what the call would dequantize). Never while torch.compile traces,
+        where autograd keeps the weight, nor for transposed, packed or view weights (expert slices). A copy is
+        dropped when the weight's data or scales are rewritten (LoRA patches, requantization), and freed with
+        the weight, or when ComfyUI unloads the model (``paths.plain.drop_kept_copies``).
     book:
         where the verdicts of those proofs are kept (a ``compute.book.Book``: the loaders pass the one of
         ComfyUI's user folder); None = this process's in-memory book. Not part of equality or repr.
@@ -62,6 +72,7 @@ class ComputeConfig:
     int8_rotation: bool = True
     trust_fast_paths: bool = False
     keep_fp8: bool = True
+    dequant_cache_bytes: int = 0
     book: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -74,6 +85,10 @@ class ComputeConfig:
                 f"ComputeConfig.activation_scaling must be one of {ACTIVATION_SCALINGS}, "
                 f"got {self.activation_scaling!r}"
             )
+        dc = self.dequant_cache_bytes
+        if isinstance(dc, bool) or not isinstance(dc, int) or dc < 0:
+            raise QuantizationError(
+                f"ComputeConfig.dequant_cache_bytes must be a non-negative int (bytes; 0 = off), got {dc!r}")
         cd = self.compute_dtype
         if cd is not None and (not isinstance(cd, torch.dtype) or not cd.is_floating_point
                                or cd.itemsize < 2):

@@ -1,4 +1,5 @@
-"""Run-time helpers every floor shares: reusable CPU buffers, the torch.compile trace check, once-only logs.
+"""Run-time helpers every floor shares: reusable CPU buffers, the account of kept dequantized copies, the
+torch.compile trace check, once-only logs.
 
 Floor 1: imports nothing from the pack.
 """
@@ -10,7 +11,7 @@ import threading
 
 import torch
 
-__all__ = ["workspace", "release_workspace", "tracing", "log_once", "reset_log_once", "device_key", "first_line",
+__all__ = ["workspace", "release_workspace", "CopyAccount", "DEQUANT_COPIES", "tracing", "log_once", "reset_log_once", "device_key", "first_line",
            "is_oom"]
 
 # Per-thread reusable CPU buffers for temporaries that never outlive one call (the gather indices,
@@ -42,6 +43,50 @@ def workspace(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def release_workspace() -> None:
     """Free this thread's reusable buffers (they are re-made on demand)."""
     _workspace.bufs = {}
+
+
+class CopyAccount:
+    """The bytes this process keeps in dequantized weight copies (``ComputeConfig.dequant_cache_bytes``), one
+    account for every model and thread, so the total never exceeds the largest budget asked.
+
+    ``reserve(nbytes, budget)`` books ``nbytes`` if the total stays within ``budget`` (first come, first kept:
+    a copy asked once the total is full is refused, and its layer dequantizes per call); ``release(nbytes)``
+    gives them back (a kept copy's finalizer calls it when the copy is freed).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._copies = 0
+
+    def reserve(self, nbytes: int, budget: int) -> bool:
+        with self._lock:
+            if nbytes <= 0 or self._bytes + nbytes > budget:
+                return False
+            self._bytes += nbytes
+            self._copies += 1
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes -= nbytes
+            self._copies -= 1
+
+    @property
+    def bytes(self) -> int:
+        """Bytes kept now."""
+        with self._lock:
+            return self._bytes
+
+    @property
+    def copies(self) -> int:
+        """Copies kept now."""
+        with self._lock:
+            return self._copies
+
+
+DEQUANT_COPIES = CopyAccount()
+"""The process's one account of kept dequantized copies (``compute/paths/plain.py`` books and frees them)."""
 
 
 _FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE

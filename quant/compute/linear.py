@@ -149,8 +149,8 @@ def route_of(x: torch.Tensor, w: QuantizedTensor, bias=None, config: ComputeConf
     return WEIGHT_ONLY.name if route is None else route.path.name
 
 
-def _plain(x2d, w, bias, cdt):
-    return WEIGHT_ONLY.run(x2d, w, bias, cdt)
+def _plain(x2d, w, bias, cdt, cfg=None):
+    return WEIGHT_ONLY.run(x2d, w, bias, cdt, cfg)
 
 
 def _fast(route: _Route, x2d, w, bias, cfg, cdt, book):
@@ -235,7 +235,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
             drop_fp8_form(weight, route.path.operand(weight, cfg, x2d.device, cdt))  # memory first: int8 only
     traced = route.path if out is not None else WEIGHT_ONLY
     if out is None:
-        out = _plain(x2d, weight, bias, cdt)
+        out = _plain(x2d, weight, bias, cdt, cfg)
     if tracing():
         log_once(logger, ("traced", traced.name, x2d.device.type), logging.INFO,
                  "torch.compile is tracing FP8 linears (%s path on %s) into its graph", traced.name, x2d.device.type)

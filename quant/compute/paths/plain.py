@@ -5,19 +5,29 @@ falls back to. On the CPU, where autograd will not keep the weight, W is dequant
 reusable buffer (a model that dequantizes every layer each step otherwise pays its full-precision size
 in page faults per step; ``runtime.workspace``). The pack's own rotated int8 weights multiply the rotated
 activation by the weight as stored when the activation has fewer rows than W (rotating the fewer rows).
-Pure torch; never imports ComfyUI.
+
+Where the config gives a budget (``ComputeConfig.dequant_cache_bytes``), the CPU's dequantized W is kept on
+the weight instead, within the process's account (``runtime.DEQUANT_COPIES``), and later calls reuse it: the
+same bits (it is what each call would dequantize), without the dequantization that dominates a call of a few
+tokens. Pure torch; never imports ComfyUI.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from ...layouts.int8 import rotate
-from ...runtime import tracing, workspace
+from ...runtime import DEQUANT_COPIES, tracing, workspace
 from .base import Path
 
-__all__ = ["WeightOnly", "WEIGHT_ONLY", "rotates_activation", "rotation_macs"]
+__all__ = ["WeightOnly", "WEIGHT_ONLY", "rotates_activation", "rotation_macs", "kept_copy", "drop_kept_copies"]
+
+# where a weight keeps its dequantized copy: in the weight's derived values, which every in-place write of its
+# data or scales forgets (``QuantizedTensor.scales_written``) and memory first's drop of the FP8 form clears
+_COPY = "dequantized_copy"
 
 
 def _is_int8(w) -> bool:
@@ -40,12 +50,64 @@ def rotation_macs(w, m: int) -> int:
     return w.qdata.shape[0] * w.qdata.shape[1] * w.layout.rotation
 
 
-def _dequantized(x, w, bias, cdt, stored: bool = False) -> torch.Tensor:
-    """W in ``cdt`` for one product (``stored``: an int8 weight as stored, still rotated)."""
+def _version(t: torch.Tensor):
+    # inference tensors (ComfyUI's loaders make them) have no version counter: their writes call scales_written
+    return None if t.is_inference() else t._version
+
+
+def kept_copy(w, cdt, budget: int, stored: bool = False) -> torch.Tensor | None:
+    """The dequantized copy of ``w`` in ``cdt`` kept on the weight (made now if ``budget`` bytes, counted over
+    every copy of the process, still allow it), or None: the caller dequantizes as without a budget. Only for
+    the calls that would use the CPU workspace (the caller checks); never for a part of a larger storage (an
+    expert of a bank, a proof's slice: a weight object made anew at every call, whose copy would be too). A copy made for other data, scales or dtype (its
+    key: their storages and version counters) is dropped and, budget allowing, made anew."""
+    qdata, scale = w.qdata, w.scale
+    if budget <= 0 or qdata.untyped_storage().nbytes() != qdata.numel() * qdata.element_size():
+        return None
+    key = (cdt, stored, qdata.data_ptr(), scale.data_ptr(), _version(qdata), _version(scale))
+    derived = w.__dict__.get("_derived")
+    hit = None if derived is None else derived.get(_COPY)
+    if hit is not None:
+        if hit[0] == key:
+            return hit[1]
+        derived.pop(_COPY, None)  # stale: freed, its bytes return through its finalizer
+    nbytes = qdata.numel() * cdt.itemsize
+    if not DEQUANT_COPIES.reserve(nbytes, budget):
+        return None
+    try:
+        dequantize = w.layout.dequantize_stored if stored else w.layout.dequantize
+        # a normal tensor (not an inference one), made once, read by later calls under and outside inference mode
+        with torch.inference_mode(False), torch.no_grad():
+            copy = dequantize(qdata, scale, cdt)
+    except BaseException:
+        DEQUANT_COPIES.release(nbytes)
+        raise
+    weakref.finalize(copy, DEQUANT_COPIES.release, nbytes)
+    w.__dict__.setdefault("_derived", {})[_COPY] = (key, copy)
+    return copy
+
+
+def drop_kept_copies(weights) -> int:
+    """Drop the dequantized copies kept on these weights (others are skipped): their bytes return to the
+    account as soon as no call is using them. Returns how many were dropped."""
+    dropped = 0
+    for w in weights:
+        derived = getattr(w, "__dict__", {}).get("_derived")
+        if derived is not None and derived.pop(_COPY, None) is not None:
+            dropped += 1
+    return dropped
+
+
+def _dequantized(x, w, bias, cdt, stored: bool = False, budget: int = 0) -> torch.Tensor:
+    """W in ``cdt`` for one product (``stored``: an int8 weight as stored, still rotated); on the CPU its kept
+    copy where ``budget`` (bytes) allows one (``kept_copy``), else this thread's reusable buffer."""
     keeps_weight = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     dequantize = w.layout.dequantize_stored if stored else w.layout.dequantize
     if not w.qdata.is_cpu or keeps_weight or w.transposed or w.layout.packed or tracing():
         return w.dequantize(cdt) if not stored else dequantize(w.qdata, w.scale, cdt)
+    kept = kept_copy(w, cdt, budget, stored) if budget else None
+    if kept is not None:
+        return kept
     buf = workspace("weight_only", w.qdata.numel(), cdt).view(w.qdata.shape)
     return dequantize(w.qdata, w.scale, cdt, out=buf)
 
@@ -59,13 +121,18 @@ class WeightOnly(Path):
         return w
 
     def run(self, x2d, w, bias, cdt, cfg=None, *, op: bool = False):
+        # copies are kept for the model's own calls only: a proof's run (op=True) may be for a weight whose
+        # calls then take a fast path, and a copy made there would hold its bytes for nothing
+        cfg = cfg if cfg is not None else w.config
+        budget = 0 if op or cfg is None else cfg.dequant_cache_bytes
         if x2d.dtype != cdt:
             x2d = x2d.to(cdt)
         if bias is not None and bias.dtype != cdt:
             bias = bias.to(cdt)
         if rotates_activation(w, x2d.shape[0]) and not tracing():
-            return F.linear(rotate(x2d, w.layout.rotation).to(cdt), _dequantized(x2d, w, bias, cdt, stored=True), bias)
-        return F.linear(x2d, _dequantized(x2d, w, bias, cdt), bias)
+            return F.linear(rotate(x2d, w.layout.rotation).to(cdt), _dequantized(x2d, w, bias, cdt, True, budget),
+                            bias)
+        return F.linear(x2d, _dequantized(x2d, w, bias, cdt, budget=budget), bias)
 
 
 WEIGHT_ONLY = WeightOnly()
