@@ -21,6 +21,7 @@ Variants, one after another in one process (ComfyUI's free-memory step between t
   stock_fp8_mixed   Load Diffusion Model, the FP8 file (ComfyUI's mixed-precision path)
   pack_auto         Load FP8 Diffusion Model, the FP8 file, compute path auto (node defaults otherwise)
   pack_weight_only  Load FP8 Diffusion Model, the FP8 file, compute path weight-only (what GPUs without FP8 units get)
+  pack_weight_only_copies  (CPU only) the same with dequantized_copies_gb 16: each layer dequantized once and kept
 Per variant: time to the first step (from the loader node's call to the end of the first model call),
 seconds per later step (median), peak VRAM above the starting point (torch.cuda.max_memory_allocated)
 and the process's total (peak reserved by torch's allocator + what the driver reports in use), the
@@ -502,14 +503,14 @@ def loaders(c: Comfy, files: dict) -> dict:
     def stock(file, weight_dtype):
         return lambda: c.run(c.nodes.UNETLoader, unet_name=file, weight_dtype=weight_dtype)[0]
 
-    def pack(compute_path):
+    def pack(compute_path, **extra):
         def load():
             inputs = c.defaults(c.pack_fp8.LoadFP8DiffusionModel)
-            inputs.update(unet_name=files["fp8"], compute_path=compute_path)
+            inputs.update(unet_name=files["fp8"], compute_path=compute_path, **extra)
             return c.run(c.pack_fp8.LoadFP8DiffusionModel, **inputs)[0]
         return load
 
-    return {
+    out = {
         "stock_bf16": stock(files["bf16"], "default"),
         "stock_fp8_cast": stock(files["bf16"], "fp8_e4m3fn"),
         "stock_fp8_fast": stock(files["bf16"], "fp8_e4m3fn_fast"),
@@ -517,6 +518,12 @@ def loaders(c: Comfy, files: dict) -> dict:
         "pack_auto": pack("auto"),
         "pack_weight_only": pack("weight-only"),
     }
+    if not c.cuda:  # the CPU's dequantized copies (a budget over the whole model): weight-only at dense speed
+        out["pack_weight_only_copies"] = pack("weight-only", dequantized_copies_gb=COPIES_GB)
+    return out
+
+
+COPIES_GB = 16.0  # pack_weight_only_copies' budget: room for every layer of the --tiny models in float32
 
 
 # ----------------------------------------------------------------------------- offloading and unloading
@@ -803,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # The variants every size runs (the issue's four); the stock cast/fast routes run at the first size only.
-PER_SIZE_VARIANTS = ("stock_bf16", "stock_fp8_mixed", "pack_auto", "pack_weight_only")
+PER_SIZE_VARIANTS = ("stock_bf16", "stock_fp8_mixed", "pack_auto", "pack_weight_only", "pack_weight_only_copies")
 
 
 def fresh_book(work: Path, image: int) -> Path:
@@ -847,6 +854,7 @@ def size_ratios(rows: list) -> dict:
     finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (sa, sw))
     return {"pack_auto_later_step_over_stock_bf16": over("pack_auto", "step_s", "stock_bf16"),
             "pack_weight_only_later_step_over_stock_bf16": over("pack_weight_only", "step_s", "stock_bf16"),
+            "pack_weight_only_copies_later_step_over_stock_bf16": over("pack_weight_only_copies", "step_s", "stock_bf16"),
             "pack_auto_load_over_pack_weight_only": over("pack_auto", "load_s", "pack_weight_only"),
             "pack_auto_load_over_stock_fp8_mixed": over("pack_auto", "load_s", "stock_fp8_mixed"),
             "pack_auto_first_step_over_pack_weight_only": over("pack_auto", "first_step_s", "pack_weight_only"),
@@ -1041,7 +1049,8 @@ def print_table(r: dict) -> None:
         if q:
             print(f"{size['image']} px ({size['tokens']} tokens), time over time: later step pack_auto / stock_bf16 "
                   f"{fmt(q['pack_auto_later_step_over_stock_bf16'], '.2f')}, pack_weight_only / stock_bf16 "
-                  f"{fmt(q['pack_weight_only_later_step_over_stock_bf16'], '.2f')}; load pack_auto / pack_weight_only "
+                  f"{fmt(q['pack_weight_only_later_step_over_stock_bf16'], '.2f')}, pack_weight_only_copies / stock_bf16 "
+                  f"{fmt(q.get('pack_weight_only_copies_later_step_over_stock_bf16'), '.2f')}; load pack_auto / pack_weight_only "
                   f"{fmt(q['pack_auto_load_over_pack_weight_only'], '.2f')}, pack_auto / stock_fp8_mixed "
                   f"{fmt(q['pack_auto_load_over_stock_fp8_mixed'], '.2f')}; first step pack_auto / pack_weight_only "
                   f"{fmt(q['pack_auto_first_step_over_pack_weight_only'], '.2f')}; SQNR pack_auto - pack_weight_only "

@@ -36,7 +36,8 @@ def _rows(scale):
     return [_row("stock_bf16", 1.0, 4.0 * scale, 2.0 * scale, math.inf),
             _row("stock_fp8_mixed", 2.0, 5.0 * scale, 2.5 * scale, 30.0),
             _row("pack_auto", 3.0, 6.0 * scale, 1.0 * scale, 28.0),
-            _row("pack_weight_only", 1.5, 4.0 * scale, 4.0 * scale, 31.0)]
+            _row("pack_weight_only", 1.5, 4.0 * scale, 4.0 * scale, 31.0),
+            _row("pack_weight_only_copies", 1.5, 4.5 * scale, 2.2 * scale, 31.0)]
 
 
 def test_image_takes_one_size_or_a_list(e2e):
@@ -58,6 +59,7 @@ def test_size_ratios_are_the_issues_figures(e2e):
     q = e2e.size_ratios(_rows(1.0))
     assert q == {"pack_auto_later_step_over_stock_bf16": 0.5,
                  "pack_weight_only_later_step_over_stock_bf16": 2.0,
+                 "pack_weight_only_copies_later_step_over_stock_bf16": 1.1,
                  "pack_auto_load_over_pack_weight_only": 2.0,
                  "pack_auto_load_over_stock_fp8_mixed": 1.5,
                  "pack_auto_first_step_over_pack_weight_only": 1.5,
