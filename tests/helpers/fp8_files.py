@@ -204,6 +204,19 @@ def write_format(sd: dict[str, torch.Tensor], path, fmt: str, *, quantize=defaul
     return expected
 
 
+def tiny_sd3_per_tensor_folder(tiny_models_cache, folder, name: str) -> Path:
+    """The suite's tiny SD3 as a per-tensor e4m3fn file in ComfyUI's mixed-precision form (stock-readable), written
+    as ``folder/name`` and ``folder`` added to ComfyUI's diffusion_models paths (needs ComfyUI imported)."""
+    import folder_paths
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    sd = load_file(str(Path(tiny_models_cache) / "diffusion_models" / "tiny_sd3.safetensors"))
+    write_format(sd, folder / name, "comfy_quant_metadata")
+    folder_paths.add_model_folder_path("diffusion_models", str(folder))
+    return folder / name
+
+
 def _save(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

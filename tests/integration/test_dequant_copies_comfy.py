@@ -32,12 +32,8 @@ def env(tiny_models_cache, tmp_path_factory):
     import comfy.model_management
     import comfy.sd
     import folder_paths
-    from safetensors.torch import load_file
 
-    folder = tmp_path_factory.mktemp("dequant_copies_models")
-    sd = load_file(str(tiny_models_cache / "diffusion_models" / "tiny_sd3.safetensors"))
-    fp8_files.write_format(sd, folder / FILE, "comfy_quant_metadata")
-    folder_paths.add_model_folder_path("diffusion_models", str(folder))
+    fp8_files.tiny_sd3_per_tensor_folder(tiny_models_cache, tmp_path_factory.mktemp("dequant_copies_models"), FILE)
     user = folder_paths.get_user_directory()
     folder_paths.set_user_directory(str(tmp_path_factory.mktemp("dequant_copies_user")))
     from fp8_engram.nodes import fp8 as nodes

@@ -46,18 +46,14 @@ def env(tiny_models_cache, tmp_path_factory):
     import comfy.model_management
     import comfy.sd
     import folder_paths
-    from safetensors.torch import load_file
 
-    folder = tmp_path_factory.mktemp("memory_first_models")
-    sd = load_file(str(tiny_models_cache / "diffusion_models" / "tiny_sd3.safetensors"))
-    fp8_files.write_format(sd, folder / FILE, "comfy_quant_metadata")  # per-tensor e4m3fn, stock-readable
-    folder_paths.add_model_folder_path("diffusion_models", str(folder))
+    path = fp8_files.tiny_sd3_per_tensor_folder(tiny_models_cache, tmp_path_factory.mktemp("memory_first_models"), FILE)
     user, out = folder_paths.get_user_directory(), folder_paths.get_output_directory()
     folder_paths.set_user_directory(str(tmp_path_factory.mktemp("memory_first_user")))
     folder_paths.set_output_directory(str(tmp_path_factory.mktemp("memory_first_output")))
     from fp8_engram.nodes import fp8 as nodes
 
-    yield nodes, comfy.sd, comfy.model_management, folder / FILE
+    yield nodes, comfy.sd, comfy.model_management, path
     comfy.model_management.unload_all_models()
     folder_paths.set_user_directory(user)
     folder_paths.set_output_directory(out)
