@@ -252,7 +252,7 @@ def test_a_view_kept_after_release_keeps_its_memory(fake_driver):
 
 RANK_SCRIPT = textwrap.dedent(
     """
-    import json, logging, sys, time
+    import json, logging, os, sys, time
     from datetime import timedelta
     sys.path.insert(0, PKG)
     import torch
@@ -288,7 +288,8 @@ RANK_SCRIPT = textwrap.dedent(
     print(json.dumps({"rank": rank, "seen": seen, "live_after_release": live_after_release,
                       "live_at_end": lib.fake_live(), "kept_value": kept_value, "log": records,
                       "held_peers": memory.held_peers, "held_by": memory.held_by,
-                      "unmapped_before": unmapped_before, "unmapped_after": unmapped}))
+                      "unmapped_before": unmapped_before, "unmapped_after": unmapped}), flush=True)
+    os._exit(0)  # not through the gloo group's teardown at exit, which can abort ("terminate called") while a peer leaves
     """
 )
 
