@@ -54,7 +54,7 @@ Image sizes: --image takes one size or a comma-separated list (default 1024; --t
 32,512: about 20 and 1040 tokens, the two ends a CPU user meets). The model files are made once (they do not
 depend on the size); each size then loads and samples its variants again, so load time and first step are
 counted per size as for one. The first size runs every variant and the VAE, offload, unload and engram parts;
-each later size runs stock_bf16, stock_fp8_mixed, pack_auto and pack_weight_only (the stock cast/fast
+each later size runs stock_bf16, stock_fp8_mixed, pack_auto, pack_weight_only and (CPU) pack_weight_only_copies (the stock cast/fast
 routes run at the first size only: the output says so). Each size gets a fresh book of fast-path verdicts:
 the loaders take theirs from ComfyUI's user folder (nodes/fp8.py verdict_book(), one book per verdict file
 per process), and the bench points that folder at an empty one of its own per size, so pack_auto's first
@@ -62,8 +62,8 @@ step at every size is a user's first run: it proves the token classes of that si
 M_CLASSES) with no verdict from an earlier size or an earlier run (the text tokens' class, for one, is
 shared by every size). What else the process keeps warm from one size to the next (imports, torch's
 kernels) stays warm, for every variant alike.
-Per size, the JSON's "sizes" list holds the rows and the ratios the CPU question turns on: pack_auto's and
-pack_weight_only's later step over stock_bf16's, pack_auto's load over pack_weight_only's and over
+Per size, the JSON's "sizes" list holds the rows and the ratios the CPU question turns on: pack_auto's,
+pack_weight_only's and pack_weight_only_copies' later step over stock_bf16's, pack_auto's load over pack_weight_only's and over
 stock_fp8_mixed's, pack_auto's first step over pack_weight_only's, and pack_auto's latent SQNR minus
 pack_weight_only's (dB). "variants" and "ratios" stay the first size's.
 
@@ -809,7 +809,8 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result.get("errors") else 0
 
 
-# The variants every size runs (the issue's four); the stock cast/fast routes run at the first size only.
+# The variants every size runs (the issue's four, and on the CPU weight-only with copies); the stock cast/fast
+# routes run at the first size only.
 PER_SIZE_VARIANTS = ("stock_bf16", "stock_fp8_mixed", "pack_auto", "pack_weight_only", "pack_weight_only_copies")
 
 
@@ -841,7 +842,7 @@ def finish_rows(c: Comfy, rows: list, latents: dict) -> None:
 
 def size_ratios(rows: list) -> dict:
     """The per-size figures issue 35 is judged on, from one size's rows (None where a variant or a figure is
-    missing): later step over stock_bf16's for pack_auto and pack_weight_only, pack_auto's load over
+    missing): later step over stock_bf16's for pack_auto, pack_weight_only and pack_weight_only_copies, pack_auto's load over
     pack_weight_only's and stock_fp8_mixed's, pack_auto's first step over pack_weight_only's, and pack_auto's
     latent SQNR minus pack_weight_only's in dB (None when either is infinite)."""
     by = {r["variant"]: r for r in rows if "error" not in r}
