@@ -33,8 +33,8 @@ from ..tensor import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["int8_supported", "int8_fast", "int8_available", "to_int8", "int8_linear", "default_rotation", "conversion_sqnr_db",
-           "is_int8", "ROTATION_BLOCK"]
+__all__ = ["int8_supported", "int8_fast", "int8_available", "to_int8", "to_int8_in_place", "int8_linear",
+           "default_rotation", "conversion_sqnr_db", "is_int8", "ROTATION_BLOCK"]
 
 ROTATION_BLOCK = 128
 _cuda_ok: dict = {}
@@ -120,6 +120,33 @@ def to_int8(w: torch.Tensor, rotation: int | None = None, *, config=None) -> Qua
             wf = w.dequantize(torch.float32) if isinstance(w, QuantizedTensor) else w.detach().to(torch.float32)
             q, scale = layout.quantize(wf)
     return QuantizedTensor.from_parts(q, scale, layout, orig_dtype=orig, config=cfg)
+
+
+def to_int8_in_place(w: QuantizedTensor, rotation: int | None = None, *, config=None) -> QuantizedTensor | None:
+    """:func:`to_int8` of a CPU FP8 weight written into the weight's own storage (FP8 and int8 codes are both
+    one byte): the returned ``Int8`` weight's ``qdata`` is ``w.qdata`` viewed as int8, and ``w``'s FP8 codes
+    are gone (the caller makes ``w`` that int8 weight at once: ``paths.int8.drop_fp8_form``). The same values
+    as :func:`to_int8`; no memory is allocated for the codes, so no fresh pages are faulted in. None, with
+    ``w`` untouched, where it cannot be done in place: off the CPU, another layout, a transposed or
+    non-contiguous weight, or scales so large that the rotated rows could overflow float32 (checked before a
+    byte is written: the one way the conversion could fail half way)."""
+    if (not isinstance(w, QuantizedTensor) or w.layout.family != "fp8" or w.transposed or w.qdata.dim() != 2
+            or not w.qdata.is_contiguous()):
+        return None
+    rows = _fp8_rows(w)
+    if rows is None:
+        return None
+    shape = tuple(w.qdata.shape)
+    rot = default_rotation(shape[1]) if rotation is None else int(rotation)
+    largest = float(w.scale.to(torch.float32).abs().max()) * torch.finfo(w.qdata.dtype).max * math.sqrt(max(rot, 1))
+    if not math.isfinite(largest) or largest * 4 > torch.finfo(torch.float32).max:
+        return None
+    orig = w.orig_dtype if w.orig_dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64) \
+        else torch.bfloat16
+    layout = Int8(per_row=True, rotation=rot)
+    with torch.no_grad():
+        q, scale = layout.quantize_rows(shape, rows[1], align=rows[0], out=w.qdata.view(torch.int8))
+    return QuantizedTensor.from_parts(q, scale, layout, orig_dtype=orig, config=config or w.config)
 
 
 def _fp8_rows(w):

@@ -8,7 +8,8 @@ The first call of a kind of product builds that route: the paths of ``paths.PATH
 each new shape is checked by value (``prove.check_call``). One fallback rule: a fast path that raises is
 remembered as failed for its kind of product (out of memory: for that call only), and the call runs the
 plain path, as does every call of a path refused on record.
-Under ``keep_fp8=False`` a weight whose call ran int8 becomes its int8 form in place (``paths.int8.drop_fp8_form``).
+Under ``keep_fp8=False`` a weight whose call ran int8 becomes its int8 form in place (``paths.int8.drop_fp8_form``); on
+the CPU, once its kind of call is proven, it is converted in its own storage (``paths.int8.convert_in_place``).
 
 Autograd: only paths that declare a backward (fp8; the plain path) take calls that record, under the same
 verdicts. torch.compile: while tracing nothing is proven or timed; a fast path is traced (through its custom
@@ -31,7 +32,7 @@ from ..tensor import QuantizedTensor
 from . import prove
 from .book import M_CLASSES, Key, default_book, shape_class
 from .paths import PATHS, REGISTRY, WEIGHT_ONLY
-from .paths.int8 import INT8, drop_fp8_form
+from .paths.int8 import INT8, convert_in_place, drop_fp8_form
 from .paths.plain import rotation_macs
 from .int8 import is_int8
 from .scaled_mm import fp8_supported
@@ -156,6 +157,9 @@ def _plain(x2d, w, bias, cdt, cfg=None):
 def _fast(route: _Route, x2d, w, bias, cfg, cdt, book):
     """The route's fast path on this call, or None where the call takes the plain path (see the docstring)."""
     path, device = route.path, x2d.device
+    shape = (x2d.shape[0], w.matrix_shape[0], x2d.shape[1], x2d.is_contiguous())
+    if path is INT8 and not cfg.keep_fp8 and (route.key is None or shape in route.covered):
+        convert_in_place(w, cfg, device)  # memory first, on a call int8 is proven for: no second copy (CPU)
     wop = path.operand(w, cfg, device, cdt)
     if wop is None or not path.accepts(x2d, wop):
         return None
@@ -164,7 +168,6 @@ def _fast(route: _Route, x2d, w, bias, cfg, cdt, book):
         return None
     if route.key is None:  # trusted: no proof, no check
         return _guarded(path, x2d, wop, bias, cdt, cfg, book, fkey, op=tracing())
-    shape = (x2d.shape[0], w.matrix_shape[0], x2d.shape[1], x2d.is_contiguous())
     if shape in route.covered:
         return _guarded(path, x2d, wop, bias, cdt, cfg, book, fkey, op=tracing())
     if tracing():

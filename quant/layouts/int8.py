@@ -218,19 +218,28 @@ class Int8(LayoutBase):
         scale = int8_scale(amax)
         return _round(wf / scale, generator), scale
 
-    def quantize_rows(self, shape, fill, align: int = 1, chunk_elems: int | None = None):
+    def quantize_rows(self, shape, fill, align: int = 1, chunk_elems: int | None = None,
+                      out: torch.Tensor | None = None):
         """Per-row round-to-nearest quantization of a CPU weight of ``shape`` that ``fill(i, j, out)`` writes
         as float32, rows ``i:j`` at a time (``i`` a multiple of ``align``), into ``out``: the same values as
         :meth:`quantize` on the whole float32 weight, operation for operation per row, in chunks of about
         ``chunk_elems`` elements (default :func:`quantize_chunk_elems`). Only the int8 result, its scales and
         two chunk-sized float32 buffers are allocated (:func:`quantize_temp_bytes` at the default size), and
-        each chunk is rotated, reduced and rounded while it is in cache."""
+        each chunk is rotated, reduced and rounded while it is in cache.
+
+        ``out``: a contiguous CPU int8 ``[n, k]`` tensor the codes are written into instead of a new one. Rows
+        ``i:j`` are written only after ``fill`` has read them, so ``out`` may share memory with what ``fill``
+        reads row for row (an FP8 weight converted in its own storage)."""
         chunk_elems = quantize_chunk_elems() if chunk_elems is None else chunk_elems
         if not self.per_row:
             raise QuantizationError("Int8.quantize_rows quantizes per row; a per-tensor scale needs the whole weight")
         self._check(shape)
         n, k = shape
-        q = torch.empty((n, k), dtype=torch.int8)
+        if out is not None and (out.dtype != torch.int8 or tuple(out.shape) != (n, k) or not out.is_contiguous()
+                                or out.device.type != "cpu"):
+            raise QuantizationError(f"Int8.quantize_rows: out must be a contiguous CPU int8 tensor of shape {[n, k]}, "
+                                    f"got {out.dtype} {list(out.shape)} on {out.device}")
+        q = torch.empty((n, k), dtype=torch.int8) if out is None else out
         scale = torch.empty((n, 1), dtype=torch.float32)
         step = max(align, chunk_elems // max(k, 1) // align * align)
         rows = workspace("int8_quantize_rows", min(n, step) * k, torch.float32)

@@ -13,9 +13,9 @@ import importlib
 import pytest
 import torch
 
-from fp8_engram.quant import ComputeConfig, PerRow, QuantizedTensor, linear
+from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, linear
 from fp8_engram.quant.compute import Book, int8 as qint8, proof
-from fp8_engram.quant.compute.paths.int8 import sampled_conversion_sqnr_db
+from fp8_engram.quant.compute.paths.int8 import dropped_fp8_form, sampled_conversion_sqnr_db
 
 plain = importlib.import_module("fp8_engram.quant.compute.paths.plain")
 
@@ -131,3 +131,81 @@ def test_memory_first_keeps_the_fp8_form_where_weight_only_wins(monkeypatch):
     for w in _weights(2):
         assert torch.equal(linear(x, w, None, cfg), linear(x, w, None, ComputeConfig(path="weight_only")))
         assert w.qdata.dtype == torch.float8_e4m3fn
+
+
+def test_memory_first_converts_proven_weights_in_their_own_storage(monkeypatch):
+    """The proof's weight gets a second copy (its FP8 rows are the proof's reference); every later weight of
+    the kind is converted where its FP8 codes were: the same bits, the same storage, the same figure."""
+    _clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    x = _activation()
+    kept, dropped = _weights(3), _weights(3)
+    both = [linear(x, w, None, ComputeConfig(book=Book())) for w in kept]
+    book = Book()
+    cfg = ComputeConfig(book=book, keep_fp8=False)
+    ptrs = [w.qdata.data_ptr() for w in dropped]
+    first = [linear(x, w, None, cfg) for w in dropped]
+    assert [w.qdata.data_ptr() == p for w, p in zip(dropped, ptrs)] == [False, True, True]
+    for w, k, y, y_kept in zip(dropped, kept, first, both):
+        w8 = k.__dict__["_derived"]["int8"][1]
+        assert torch.equal(y, y_kept) and torch.equal(w.qdata, w8.qdata) and torch.equal(w.scale, w8.scale)
+        assert w.layout == w8.layout and dropped_fp8_form(w).layout == k.layout
+    c = book.conversions("cpu")
+    figures = [sampled_conversion_sqnr_db(k, k.__dict__["_derived"]["int8"][1]) for k in kept]
+    assert c["layers"] == 3 and abs(c["min_sqnr_db"] - min(figures)) < 0.006, (c, figures)  # the book keeps 0.01 dB
+    assert abs(c["mean_sqnr_db"] - sum(figures) / 3) < 0.006, (c, figures)
+
+
+def test_a_failing_int8_kernel_after_an_in_place_conversion_runs_the_int8_form_weight_only(monkeypatch):
+    _clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    x = _activation()
+    cfg = ComputeConfig(book=Book(), keep_fp8=False)
+    ws = _weights(2)
+    linear(x, ws[0], None, cfg)  # the proof
+    real = qint8.int8_linear_mm
+
+    def broken(*a, **k):
+        raise RuntimeError("kernel lost")
+
+    monkeypatch.setattr(qint8, "int8_linear_mm", broken)
+    y = linear(x, ws[1], None, cfg)
+    monkeypatch.setattr(qint8, "int8_linear_mm", real)
+    assert qint8.is_int8(ws[1])  # converted in place before the kernel failed
+    assert torch.equal(y, linear(x, ws[1], None, ComputeConfig(path="weight_only")))
+
+
+@pytest.mark.parametrize("layout", [PerTensor(), PerRow(), Block(128, 128), Block(64, 256)], ids=repr)
+@pytest.mark.parametrize("rotation", [None, 0])
+def test_in_place_conversion_is_the_copying_conversion(layout, rotation):
+    g = torch.Generator().manual_seed(5)
+    w = QuantizedTensor.from_float(torch.randn(320, 768, generator=g) * 0.02, layout)
+    want = qint8.to_int8(w, rotation)
+    ptr = w.qdata.data_ptr()
+    got = qint8.to_int8_in_place(w, rotation)
+    assert got.qdata.data_ptr() == ptr and got.layout == want.layout
+    assert torch.equal(got.qdata, want.qdata) and torch.equal(got.scale, want.scale)
+
+
+def test_in_place_chunks_write_rows_only_after_reading_them():
+    """Small chunks (3 rows) over codes that share the output's memory: each chunk is read before written."""
+    g = torch.Generator().manual_seed(6)
+    w = QuantizedTensor.from_float(torch.randn(64, 256, generator=g) * 0.02, PerRow())
+    want = qint8.to_int8(w)
+    lay = want.layout
+    q = w.qdata.clone()
+    s = w.scale.float().reshape(-1, 1)
+
+    def fill(i, j, out):
+        out.copy_(q[i:j].float() * s[i:j])
+
+    got, scale = lay.quantize_rows((64, 256), fill, chunk_elems=3 * 256, out=q.view(torch.int8))
+    assert got.data_ptr() == q.data_ptr() and torch.equal(got, want.qdata) and torch.equal(scale, want.scale)
+
+
+def test_in_place_refuses_what_it_cannot_finish_and_leaves_the_weight_untouched():
+    g = torch.Generator().manual_seed(7)
+    w = QuantizedTensor.from_float(torch.randn(64, 256, generator=g), PerTensor())
+    huge = QuantizedTensor.from_parts(w.qdata.clone(), torch.tensor(1e36), PerTensor())  # rotated rows may overflow
+    before = huge.qdata.clone()
+    assert qint8.to_int8_in_place(huge) is None and torch.equal(huge.qdata.view(torch.uint8), before.view(torch.uint8))
+    assert qint8.to_int8_in_place(w.t()) is None  # a transposed view
+    assert qint8.to_int8_in_place(qint8.to_int8(w)) is None  # int8 already

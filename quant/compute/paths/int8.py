@@ -24,13 +24,15 @@ import torch
 
 from ...errors import QuantizationError
 from ...kernels.int8_mm import quantize_rows_int8_torch
-from ...runtime import first_line, log_once, tracing
+from ...layouts.fp8 import fp8_to
+from ...layouts.int8 import hadamard
+from ...runtime import first_line, log_once, tracing, workspace
 from ...tensor import DROPPED_FP8_FORM, QuantizedTensor
 from .. import int8, proof
 from .base import Path, bias_cols, cached_on_weight, weight_reference
 
 __all__ = ["Int8Path", "INT8", "int8_operand", "int8_takes", "sampled_conversion_sqnr_db", "SQNR_ROWS",
-           "drop_fp8_form", "FP8Form", "dropped_fp8_form", "carry_fp8_form", "in_fp8_form"]
+           "drop_fp8_form", "FP8Form", "dropped_fp8_form", "carry_fp8_form", "in_fp8_form", "convert_in_place"]
 
 logger = logging.getLogger("fp8_engram.quant.compute.linear")
 
@@ -146,27 +148,128 @@ def _convert(w, cfg, device):
                                         config=w.config)
     w8 = int8.to_int8(wd, None if cfg.int8_rotation else 0)
     db = sampled_conversion_sqnr_db(wd, w8)
-    book = cfg.book
-    if book is None:
-        from ..book import default_book
-
-        book = default_book()
-    book.converted(device, time.perf_counter() - started, db, w8.qdata.numel())
+    _book(cfg).converted(device, time.perf_counter() - started, db, w8.qdata.numel())
     return w8
 
 
 def sampled_conversion_sqnr_db(reference, w8, rows: int = SQNR_ROWS) -> float:
     """SQNR (dB) of the int8 conversion ``w8`` against ``reference`` (the weight it was made from) on ``rows``
-    rows spread over the weight (both dequantized there only; float32 differences and squares, float64 sums:
-    converting the rows to float64 first cost a third of the figure's time, for nothing a dB figure shows)."""
+    rows spread over the weight (both dequantized there only; float32 differences and squares, float64 sums).
+
+    On the CPU, for an FP8 reference of one scale per tensor, row or block, the rows go a block at a time
+    through reused buffers (``runtime.workspace``): the figure allocates nothing per layer. Fresh pages are
+    what a first step pays for most here: each is faulted in and zeroed, and on a virtual machine may be
+    backed anew by the host (``bench/load.py`` counts the faults); whole-sample temporaries and their float64
+    copies cost a conversion more than its own rotation and rounding did."""
     n = w8.qdata.shape[0]
     idx = proof.checked_index(n, rows, rows // 8, rows - rows // 4, w8.qdata.device)
-    ref = weight_reference(reference, idx)
-    err = torch.sub(weight_reference(w8, idx), ref).square_().sum(dtype=torch.float64)
-    sig = ref.square().sum(dtype=torch.float64)
-    if float(err) == 0.0:
+    blocks = _row_blocks(reference, w8)
+    if blocks is not None:
+        err, sig = blocks(idx)
+    else:
+        ref = weight_reference(reference, idx)
+        err = float(torch.sub(weight_reference(w8, idx), ref).square_().sum(dtype=torch.float64))
+        sig = float(ref.square().sum(dtype=torch.float64))
+    return _db(err, sig)
+
+
+SQNR_BLOCK_ELEMS = 1 << 18  # float32 elements of sampled rows per block (1 MiB per buffer: stays in cache)
+
+
+def _row_blocks(reference, w8, saved: torch.Tensor | None = None):
+    """``sums(idx) -> (err, sig)``: the squared error and signal over rows ``idx``, by blocks of rows through
+    reused buffers; None where the reference is not a CPU FP8 weight with row access or ``w8`` not a CPU
+    per-row (or per-tensor) Int8 weight of its shape. ``saved``: the FP8 codes of rows ``idx`` (uint8
+    ``[len(idx), K]``), taken before the reference's own codes were overwritten (``convert_in_place``); its
+    layout and scales are read from ``reference`` still."""
+    if (not isinstance(reference, QuantizedTensor) or reference.layout.family != "fp8" or not int8.is_int8(w8)
+            or reference.qdata.device.type != "cpu" or w8.qdata.device.type != "cpu" or tracing()
+            or reference.qdata.dim() != 2 or tuple(reference.qdata.shape) != tuple(w8.qdata.shape)
+            or not reference.qdata.is_contiguous() or not w8.qdata.is_contiguous()):
+        return None
+    n, k = reference.qdata.shape
+    block = reference.layout.kernel_block((n, k))
+    rot = w8.layout.rotation
+    if block is None or (rot and k % rot) or w8.scale.numel() not in (1, n):
+        return None
+    (r, c), per_tensor = block
+    if not per_tensor and k % c:
+        return None
+    fs = reference.scale.to(torch.float32).reshape(()) if per_tensor else \
+        reference.scale.to(torch.float32).reshape(-(-n // r), -1)
+    s8 = w8.scale.to(torch.float32).reshape(-1)
+    h = hadamard(rot, w8.layout.regular) if rot else None
+    step = max(1, SQNR_BLOCK_ELEMS // k)
+    q_fp8, q_int8 = reference.qdata.view(torch.uint8), w8.qdata
+
+    def sums(idx):
+        err = sig = 0.0
+        for i in range(0, len(idx), step):
+            part = idx[i:i + step]
+            m = len(part)
+            ref = workspace("sqnr_reference", m * k, torch.float32).view(m, k)
+            got = workspace("sqnr_converted", m * k, torch.float32).view(m, k)
+            codes = saved[i:i + m] if saved is not None else \
+                torch.index_select(q_fp8, 0, part, out=workspace("sqnr_fp8", m * k, torch.uint8).view(m, k))
+            fp8_to(codes.view(reference.qdata.dtype), torch.float32, None, ref)
+            if per_tensor:
+                ref.mul_(fs)
+            else:  # the scale of each sampled row's block, expanded over its columns
+                ref.view(m, k // c, c).mul_(fs.index_select(0, torch.div(part, r, rounding_mode="floor"))[:, :, None])
+            q = torch.index_select(q_int8, 0, part, out=workspace("sqnr_int8", m * k, torch.int8).view(m, k))
+            torch.mul(q, s8 if s8.numel() == 1 else s8.index_select(0, part)[:, None], out=got)
+            if rot:  # back to the weight's own basis (blockdiag(H).T, as Int8.dequantize does)
+                turned = workspace("sqnr_rotated", m * k, torch.float32).view(m, k)
+                torch.matmul(got.view(m, k // rot, rot), h.T, out=turned.view(m, k // rot, rot))
+                got = turned
+            err += float(got.sub_(ref).square_().sum())
+            sig += float(ref.square_().sum())
+        return err, sig
+
+    return sums
+
+
+def convert_in_place(w, cfg, device) -> bool:
+    """Memory first (``keep_fp8=False``), for a weight whose calls int8 was already proven on: convert the CPU
+    FP8 weight ``w`` to int8 in its own storage and make ``w`` that int8 weight (``drop_fp8_form``), instead of
+    making a second copy and dropping the first. No memory for the codes, no fresh pages: what a conversion
+    costs most on a first step. The conversion SQNR is measured as for any conversion, on the sampled rows'
+    FP8 codes saved before they are overwritten. False, with ``w`` untouched, where it cannot be done in place
+    (``int8.to_int8_in_place``; another device, a compiled graph, a weight that is int8 already): the caller
+    converts it the usual way."""
+    if (cfg.keep_fp8 or cfg.path != "auto" or tracing() or int8.is_int8(w) or not isinstance(w, QuantizedTensor)
+            or w.layout.family != "fp8" or w.transposed or w.qdata.dim() != 2 or torch.device(device).type != "cpu"
+            or w.qdata.device.type != "cpu" or not int8_takes(w, cfg, device)):
+        return False
+    n, k = w.qdata.shape
+    block = w.layout.kernel_block((n, k))
+    if block is None or (not block[1] and k % block[0][1]):  # rows the sampled figure cannot read blockwise
+        return False
+    started = time.perf_counter()
+    idx = proof.checked_index(n, SQNR_ROWS, SQNR_ROWS // 8, SQNR_ROWS - SQNR_ROWS // 4, w.qdata.device)
+    saved = workspace("sqnr_saved_fp8", len(idx) * k, torch.uint8).view(len(idx), k)
+    torch.index_select(w.qdata.view(torch.uint8), 0, idx, out=saved)
+    w8 = int8.to_int8_in_place(w, None if cfg.int8_rotation else 0)
+    if w8 is None:
+        return False
+    db = _db(*_row_blocks(w, w8, saved)(idx))  # w still names its FP8 layout and scales; its codes are w8's now
+    drop_fp8_form(w, w8)
+    _book(cfg).converted(device, time.perf_counter() - started, db, w8.qdata.numel())
+    return True
+
+
+def _db(err: float, sig: float) -> float:
+    if err == 0.0:
         return math.inf
-    return float(10 * torch.log10(sig / err)) if float(sig) > 0 else -math.inf
+    return 10 * math.log10(sig / err) if sig > 0 else -math.inf
+
+
+def _book(cfg):
+    if cfg.book is not None:
+        return cfg.book
+    from ..book import default_book
+
+    return default_book()
 
 
 class Int8Path(Path):
