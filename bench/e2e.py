@@ -21,6 +21,8 @@ Variants, one after another in one process (ComfyUI's free-memory step between t
   stock_fp8_mixed   Load Diffusion Model, the FP8 file (ComfyUI's mixed-precision path)
   pack_auto         Load FP8 Diffusion Model, the FP8 file, compute path auto (node defaults otherwise)
   pack_weight_only  Load FP8 Diffusion Model, the FP8 file, compute path weight-only (what GPUs without FP8 units get)
+  pack_memory_first Load FP8 Diffusion Model, the FP8 file, compute path "auto (memory first)" (a layer that runs int8
+                    drops its FP8 form; on the CPU converted in the FP8 form's own storage)
   pack_weight_only_copies  (CPU only) the same with dequantized_copies_gb 16: each layer dequantized once and kept
 Per variant: time to the first step (from the loader node's call to the end of the first model call),
 seconds per later step (median), peak VRAM above the starting point (torch.cuda.max_memory_allocated)
@@ -54,7 +56,8 @@ Image sizes: --image takes one size or a comma-separated list (default 1024; --t
 32,512: about 20 and 1040 tokens, the two ends a CPU user meets). The model files are made once (they do not
 depend on the size); each size then loads and samples its variants again, so load time and first step are
 counted per size as for one. The first size runs every variant and the VAE, offload, unload and engram parts;
-each later size runs stock_bf16, stock_fp8_mixed, pack_auto, pack_weight_only and (CPU) pack_weight_only_copies (the stock cast/fast
+each later size runs stock_bf16, stock_fp8_mixed, pack_auto, pack_weight_only, pack_memory_first and (CPU)
+pack_weight_only_copies (the stock cast/fast
 routes run at the first size only: the output says so). Each size gets a fresh book of fast-path verdicts:
 the loaders take theirs from ComfyUI's user folder (nodes/fp8.py verdict_book(), one book per verdict file
 per process), and the bench points that folder at an empty one of its own per size, so pack_auto's first
@@ -65,7 +68,8 @@ kernels) stays warm, for every variant alike.
 Per size, the JSON's "sizes" list holds the rows and the ratios the CPU question turns on: pack_auto's,
 pack_weight_only's and pack_weight_only_copies' later step over stock_bf16's, pack_auto's load over pack_weight_only's and over
 stock_fp8_mixed's, pack_auto's first step over pack_weight_only's, and pack_auto's latent SQNR minus
-pack_weight_only's (dB). "variants" and "ratios" stay the first size's.
+pack_weight_only's (dB), and the same later-step, first-step and SQNR figures for pack_memory_first. "variants" and
+"ratios" stay the first size's.
 
     python bench/e2e.py [--tiny] [--double 5] [--single 10] [--steps 8] [--image 1024] [--skip-engram] [--keep-dir DIR]
     python bench/e2e.py --tiny --arch flux --skip-engram   # the Flux path on the CPU at 32 and 512 px (1+1 blocks: minutes)
@@ -517,6 +521,7 @@ def loaders(c: Comfy, files: dict) -> dict:
         "stock_fp8_mixed": stock(files["fp8"], "default"),
         "pack_auto": pack("auto"),
         "pack_weight_only": pack("weight-only"),
+        "pack_memory_first": pack(MEMORY_FIRST),
     }
     if not c.cuda:  # the CPU's dequantized copies (a budget over the whole model): weight-only at dense speed
         out["pack_weight_only_copies"] = pack("weight-only", dequantized_copies_gb=COPIES_GB)
@@ -524,6 +529,7 @@ def loaders(c: Comfy, files: dict) -> dict:
 
 
 COPIES_GB = 16.0  # pack_weight_only_copies' budget: room for every layer of the --tiny models in float32
+MEMORY_FIRST = "auto (memory first)"  # the loaders' compute_path of that name: auto that drops a converted layer's FP8 form
 
 
 # ----------------------------------------------------------------------------- offloading and unloading
@@ -811,7 +817,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # The variants every size runs (the issue's four, and on the CPU weight-only with copies); the stock cast/fast
 # routes run at the first size only.
-PER_SIZE_VARIANTS = ("stock_bf16", "stock_fp8_mixed", "pack_auto", "pack_weight_only", "pack_weight_only_copies")
+PER_SIZE_VARIANTS = ("stock_bf16", "stock_fp8_mixed", "pack_auto", "pack_weight_only", "pack_memory_first",
+                     "pack_weight_only_copies")
 
 
 def fresh_book(work: Path, image: int) -> Path:
@@ -844,22 +851,29 @@ def size_ratios(rows: list) -> dict:
     """The per-size figures issue 35 is judged on, from one size's rows (None where a variant or a figure is
     missing): later step over stock_bf16's for pack_auto, pack_weight_only and pack_weight_only_copies, pack_auto's load over
     pack_weight_only's and stock_fp8_mixed's, pack_auto's first step over pack_weight_only's, and pack_auto's
-    latent SQNR minus pack_weight_only's in dB (None when either is infinite)."""
+    latent SQNR minus pack_weight_only's in dB (None when either is infinite); the same three for
+    pack_memory_first (later step over stock_bf16's, first step over pack_weight_only's, SQNR difference)."""
     by = {r["variant"]: r for r in rows if "error" not in r}
 
     def over(name, key, base, base_key=None):
         a, b = (by.get(name) or {}).get(key), (by.get(base) or {}).get(base_key or key)
         return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
 
-    sa, sw = (by.get("pack_auto") or {}).get("sqnr_db"), (by.get("pack_weight_only") or {}).get("sqnr_db")
-    finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (sa, sw))
+    def sqnr_minus_weight_only(name):
+        a, b = (by.get(name) or {}).get("sqnr_db"), (by.get("pack_weight_only") or {}).get("sqnr_db")
+        return a - b if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b)) else None
+
     return {"pack_auto_later_step_over_stock_bf16": over("pack_auto", "step_s", "stock_bf16"),
             "pack_weight_only_later_step_over_stock_bf16": over("pack_weight_only", "step_s", "stock_bf16"),
             "pack_weight_only_copies_later_step_over_stock_bf16": over("pack_weight_only_copies", "step_s", "stock_bf16"),
             "pack_auto_load_over_pack_weight_only": over("pack_auto", "load_s", "pack_weight_only"),
             "pack_auto_load_over_stock_fp8_mixed": over("pack_auto", "load_s", "stock_fp8_mixed"),
             "pack_auto_first_step_over_pack_weight_only": over("pack_auto", "first_step_s", "pack_weight_only"),
-            "pack_auto_minus_pack_weight_only_sqnr_db": sa - sw if finite else None}
+            "pack_auto_minus_pack_weight_only_sqnr_db": sqnr_minus_weight_only("pack_auto"),
+            "pack_memory_first_later_step_over_stock_bf16": over("pack_memory_first", "step_s", "stock_bf16"),
+            "pack_memory_first_first_step_over_pack_weight_only": over("pack_memory_first", "first_step_s",
+                                                                       "pack_weight_only"),
+            "pack_memory_first_minus_pack_weight_only_sqnr_db": sqnr_minus_weight_only("pack_memory_first")}
 
 
 def size_entry(shape: Shape, rows: list, skipped_variants: list) -> dict:
@@ -1055,7 +1069,10 @@ def print_table(r: dict) -> None:
                   f"{fmt(q['pack_auto_load_over_pack_weight_only'], '.2f')}, pack_auto / stock_fp8_mixed "
                   f"{fmt(q['pack_auto_load_over_stock_fp8_mixed'], '.2f')}; first step pack_auto / pack_weight_only "
                   f"{fmt(q['pack_auto_first_step_over_pack_weight_only'], '.2f')}; SQNR pack_auto - pack_weight_only "
-                  f"{fmt(q['pack_auto_minus_pack_weight_only_sqnr_db'], '+.1f')} dB")
+                  f"{fmt(q['pack_auto_minus_pack_weight_only_sqnr_db'], '+.1f')} dB; pack_memory_first: later step / "
+                  f"stock_bf16 {fmt(q.get('pack_memory_first_later_step_over_stock_bf16'), '.2f')}, first step / "
+                  f"pack_weight_only {fmt(q.get('pack_memory_first_first_step_over_pack_weight_only'), '.2f')}, SQNR - "
+                  f"pack_weight_only {fmt(q.get('pack_memory_first_minus_pack_weight_only_sqnr_db'), '+.1f')} dB")
     if r.get("vae"):
         print(f"VAE decode {r['vae']['decode_s']:.2f} s; image SQNR pack_auto vs bf16 {r['vae']['image_sqnr_pack_auto_vs_bf16_db']:.1f} dB")
     if r.get("offload"):

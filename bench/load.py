@@ -28,6 +28,15 @@ first-step ratio 0.87, second-step ratio 0.55 (CPU 0.60), pack peak RSS 1.095 x 
 pack_mmap 1.108); read vs mmap: first step 1.30x (load 21.6 s vs 3.0 s: the reads happen up front,
 the mapped pages were faulted in during the first step), second step 1.13x, peak RSS 0.99x.
 The shared CPU makes wall times swing 2-5x when other jobs run: compare the CPU-time ratio too.
+
+`1st minflt` counts the minor page faults of the load and first step: each is a page of fresh memory (or a
+mapped page of the file, for stock and pack_mmap). Fresh pages are what owned memory costs, and on a virtual
+machine whose host backs guest memory on first touch they cost tens of microseconds each (this bench's
+2-core VM: 2 GiB of fresh pages took 1.6-8.7 s to touch, varying with what ran before), so on such machines
+the columns that allocate (pack's read, auto's int8 copies) swing with the host, while stock's mapped page
+cache does not. Memory first converts a proven layer in its FP8 form's own storage, so its conversions fault in
+nothing: on that VM its first step fell from 27.0 s to 7.9-10.1 s, at 1.16-1.18x the file's RSS, while auto
+(both forms kept: one more fresh byte per converted parameter) spent 20.8 s of a 32.7 s first step converting.
 """
 
 from __future__ import annotations
@@ -123,7 +132,7 @@ def child(loader: str, path: str) -> None:
     latent = torch.zeros(1, 16, 16, 16)
     cond = [[torch.randn(1, 77, CONTEXT, generator=torch.Generator().manual_seed(1)),
              {"pooled_output": torch.randn(1, POOLED, generator=torch.Generator().manual_seed(2))}]]
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     with torch.inference_mode():
         if loader == "stock":
             model = comfy.sd.load_diffusion_model(path)
@@ -138,6 +147,7 @@ def child(loader: str, path: str) -> None:
         t_load = time.perf_counter() - t0
         comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0, disable_pbar=True)
         t_first, c_first = time.perf_counter() - t0, time.process_time() - cpu0
+        f_first = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         r0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
         t1 = time.perf_counter()
         comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0, disable_pbar=True)
@@ -153,7 +163,7 @@ def child(loader: str, path: str) -> None:
     print(json.dumps({"loader": loader, "load_s": t_load, "first_step_s": t_first, "first_step_cpu_s": c_first,
                       "converted_layers": conv.get("layers", 0), "converted_params": conv.get("parameters", 0),
                       "converting_s": conv.get("seconds", 0.0), "second_step_s": t_second,
-                      "second_step_cpu_s": c_second, "second_step_minflt": r1.ru_minflt - r0.ru_minflt,
+                      "second_step_cpu_s": c_second, "first_step_minflt": f_first, "second_step_minflt": r1.ru_minflt - r0.ru_minflt,
                       "second_step_majflt": r1.ru_majflt - r0.ru_majflt, "baseline_mb": baseline, "peak_mb": peak}))
 
 
@@ -197,13 +207,14 @@ def main() -> int:
         print(f"best of {args.repeats} interleaved runs per loader; load average (1 min) before/after: "
               f"{load0:.2f}/{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
         print(f"{'loader':<10}{'load s':>9}{'to 1st step s':>15}{'2nd step s':>12}{'2nd cpu s':>11}{'2nd minflt':>12}"
-              f"{'2nd majflt':>12}{'peak-base MiB':>15}{'x file':>8}{'1st cpu s':>10}{'converted':>10}{'conv s':>8}")
+              f"{'2nd majflt':>12}{'peak-base MiB':>15}{'x file':>8}{'1st cpu s':>10}{'1st minflt':>12}{'converted':>10}"
+              f"{'conv s':>8}")
         for k in order:
             b = best[k]
             above = b["peak_mb"] - b["baseline_mb"]
             print(f"{k:<10}{b['load_s']:>9.2f}{b['first_step_s']:>15.2f}{b['second_step_s']:>12.2f}"
                   f"{b['second_step_cpu_s']:>11.2f}{b['second_step_minflt']:>12d}{b['second_step_majflt']:>12d}"
-                  f"{above:>15.0f}{above * 2**20 / size:>8.2f}{b['first_step_cpu_s']:>10.2f}"
+                  f"{above:>15.0f}{above * 2**20 / size:>8.2f}{b['first_step_cpu_s']:>10.2f}{b['first_step_minflt']:>12d}"
                   f"{b['converted_params'] / 1e6:>9.0f}M{b['converting_s']:>8.2f}")
         pk, st = best["pack"], best["stock"]
         pack_above = (pk["peak_mb"] - pk["baseline_mb"]) * 2**20
@@ -220,6 +231,7 @@ def main() -> int:
             "stock_peak_rss_above_baseline_x_file": round((st["peak_mb"] - st["baseline_mb"]) * 2**20 / size, 3),
             "pack_load_s": round(pk["load_s"], 3),
             "first_step_cpu_s": {k: round(v["first_step_cpu_s"], 2) for k, v in best.items()},
+            "first_step_minflt": {k: v["first_step_minflt"] for k, v in best.items()},
             "converted_params": {k: v["converted_params"] for k, v in best.items()},
             "converting_s": {k: round(v["converting_s"], 2) for k, v in best.items()},
         }

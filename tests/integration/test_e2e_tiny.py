@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "e2e.py"
 VARIANTS = ("stock_bf16", "stock_fp8_cast", "stock_fp8_fast", "stock_fp8_mixed", "pack_auto", "pack_weight_only",
-            "pack_weight_only_copies")  # the last on the CPU only
+            "pack_memory_first", "pack_weight_only_copies")  # the last on the CPU only
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +58,12 @@ def test_tiny_run_measures_every_variant_through_comfyui(tiny_run):
         assert row["step_s"] > 0 and row["steps_timed"] == result["shape"]["steps"] - 1, name
         assert row["peak_alloc_gib"] is None, f"{name}: no VRAM on the CPU, yet a figure was reported"
     assert rows["stock_bf16"]["sqnr_db"] == "inf"  # the baseline against itself
-    for name in ("stock_fp8_cast", "stock_fp8_mixed", "pack_auto", "pack_weight_only"):
+    for name in ("stock_fp8_cast", "stock_fp8_mixed", "pack_auto", "pack_weight_only", "pack_memory_first"):
         assert rows[name]["sqnr_db"] >= 20.0, f"{name}: latent {rows[name]['sqnr_db']} dB vs bf16"
     # the kept copies are the bits each call would dequantize: the same latent as weight-only
     assert rows["pack_weight_only_copies"]["sqnr_db"] == rows["pack_weight_only"]["sqnr_db"]
     # FP8 weights stay FP8 in memory (the tiny model's bf16 embedders and norms keep it above half of bf16).
-    for name in ("stock_fp8_mixed", "pack_auto", "pack_weight_only"):
+    for name in ("stock_fp8_mixed", "pack_auto", "pack_weight_only", "pack_memory_first"):
         assert rows[name]["model_bytes"] < 0.8 * rows["stock_bf16"]["model_bytes"], name
     assert result["vae"]["image_sqnr_pack_auto_vs_bf16_db"] >= 20.0
     assert result["ratios"]["fastest_stock_fp8"] in ("stock_fp8_cast", "stock_fp8_fast", "stock_fp8_mixed")

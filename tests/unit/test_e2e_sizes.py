@@ -37,6 +37,7 @@ def _rows(scale):
             _row("stock_fp8_mixed", 2.0, 5.0 * scale, 2.5 * scale, 30.0),
             _row("pack_auto", 3.0, 6.0 * scale, 1.0 * scale, 28.0),
             _row("pack_weight_only", 1.5, 4.0 * scale, 4.0 * scale, 31.0),
+            _row("pack_memory_first", 2.5, 5.0 * scale, 1.2 * scale, 27.5),
             _row("pack_weight_only_copies", 1.5, 4.5 * scale, 2.2 * scale, 31.0)]
 
 
@@ -63,7 +64,10 @@ def test_size_ratios_are_the_issues_figures(e2e):
                  "pack_auto_load_over_pack_weight_only": 2.0,
                  "pack_auto_load_over_stock_fp8_mixed": 1.5,
                  "pack_auto_first_step_over_pack_weight_only": 1.5,
-                 "pack_auto_minus_pack_weight_only_sqnr_db": -3.0}
+                 "pack_auto_minus_pack_weight_only_sqnr_db": -3.0,
+                 "pack_memory_first_later_step_over_stock_bf16": 0.6,
+                 "pack_memory_first_first_step_over_pack_weight_only": 1.25,
+                 "pack_memory_first_minus_pack_weight_only_sqnr_db": -3.5}
 
 
 def test_size_ratios_say_none_for_what_is_missing(e2e):
