@@ -35,8 +35,9 @@ machine whose host backs guest memory on first touch they cost tens of microseco
 2-core VM: 2 GiB of fresh pages took 1.6-8.7 s to touch, varying with what ran before), so on such machines
 the columns that allocate (pack's read, auto's int8 copies) swing with the host, while stock's mapped page
 cache does not. Memory first converts a proven layer in its FP8 form's own storage, so its conversions fault in
-nothing: on that VM its first step fell from 27.0 s to 7.9-10.1 s, at 1.16-1.18x the file's RSS, while auto
-(both forms kept: one more fresh byte per converted parameter) spent 20.8 s of a 32.7 s first step converting.
+almost nothing (36k more first-step faults than weight-only's 552k; auto, keeping both forms, 517k more: one fresh
+byte per converted parameter): on that VM its first step fell from 27.0 s to 7.9-21.5 s (10.1 s in a run where
+weight-only took 5.9 s and auto 32.7 s, 20.8 s of it converting), at 1.16-1.18x the file's RSS.
 """
 
 from __future__ import annotations

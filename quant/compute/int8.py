@@ -107,8 +107,7 @@ def to_int8(w: torch.Tensor, rotation: int | None = None, *, config=None) -> Qua
             raise QuantizationError(f"to_int8 needs a 2-D float or FP8 QuantizedTensor weight, got "
                                     f"{getattr(w, 'dtype', type(w).__name__)} {list(getattr(w, 'shape', []))}")
         orig, cfg = w.dtype, config
-    if orig not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        orig = torch.bfloat16
+    orig = _logical_dtype(orig)
     shape = tuple(w.qdata.shape) if isinstance(w, QuantizedTensor) else tuple(w.shape)
     rot = default_rotation(shape[1]) if rotation is None else int(rotation)
     layout = Int8(per_row=True, rotation=rot)
@@ -141,12 +140,16 @@ def to_int8_in_place(w: QuantizedTensor, rotation: int | None = None, *, config=
     largest = float(w.scale.to(torch.float32).abs().max()) * torch.finfo(w.qdata.dtype).max * math.sqrt(max(rot, 1))
     if not math.isfinite(largest) or largest * 4 > torch.finfo(torch.float32).max:
         return None
-    orig = w.orig_dtype if w.orig_dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64) \
-        else torch.bfloat16
     layout = Int8(per_row=True, rotation=rot)
     with torch.no_grad():
         q, scale = layout.quantize_rows(shape, rows[1], align=rows[0], out=w.qdata.view(torch.int8))
-    return QuantizedTensor.from_parts(q, scale, layout, orig_dtype=orig, config=config or w.config)
+    return QuantizedTensor.from_parts(q, scale, layout, orig_dtype=_logical_dtype(w.orig_dtype),
+                                      config=config or w.config)
+
+
+def _logical_dtype(orig: torch.dtype) -> torch.dtype:
+    """The logical dtype an int8 conversion keeps: the weight's own where it is a float of 16+ bits, else bf16."""
+    return orig if orig in (torch.bfloat16, torch.float16, torch.float32, torch.float64) else torch.bfloat16
 
 
 def _fp8_rows(w):

@@ -154,11 +154,16 @@ def _plain(x2d, w, bias, cdt, cfg=None):
     return WEIGHT_ONLY.run(x2d, w, bias, cdt, cfg)
 
 
+def _call_shape(x2d, w) -> tuple:
+    """What a route's covered shapes hold for a call: (tokens, out, in, activation contiguous)."""
+    return x2d.shape[0], w.matrix_shape[0], x2d.shape[1], x2d.is_contiguous()
+
+
 def _fast(route: _Route, x2d, w, bias, cfg, cdt, book):
     """The route's fast path on this call, or None where the call takes the plain path (see the docstring)."""
     path, device = route.path, x2d.device
-    shape = (x2d.shape[0], w.matrix_shape[0], x2d.shape[1], x2d.is_contiguous())
-    if path is INT8 and not cfg.keep_fp8 and (route.key is None or shape in route.covered):
+    if path is INT8 and not cfg.keep_fp8 and not is_int8(w) and (route.key is None
+                                                                  or _call_shape(x2d, w) in route.covered):
         convert_in_place(w, cfg, device)  # memory first, on a call int8 is proven for: no second copy (CPU)
     wop = path.operand(w, cfg, device, cdt)
     if wop is None or not path.accepts(x2d, wop):
@@ -168,7 +173,7 @@ def _fast(route: _Route, x2d, w, bias, cfg, cdt, book):
         return None
     if route.key is None:  # trusted: no proof, no check
         return _guarded(path, x2d, wop, bias, cdt, cfg, book, fkey, op=tracing())
-    if shape in route.covered:
+    if _call_shape(x2d, w) in route.covered:
         return _guarded(path, x2d, wop, bias, cdt, cfg, book, fkey, op=tracing())
     if tracing():
         return None  # a shape never checked is not compiled in: the plain path is

@@ -15,7 +15,8 @@ import torch
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, linear
 from fp8_engram.quant.compute import Book, int8 as qint8, proof
-from fp8_engram.quant.compute.paths.int8 import dropped_fp8_form, sampled_conversion_sqnr_db
+from fp8_engram.quant.compute.paths.int8 import convert_in_place, dropped_fp8_form, sampled_conversion_sqnr_db
+from helpers.allocations import bytes_allocated
 
 plain = importlib.import_module("fp8_engram.quant.compute.paths.plain")
 
@@ -209,3 +210,16 @@ def test_in_place_refuses_what_it_cannot_finish_and_leaves_the_weight_untouched(
     assert qint8.to_int8_in_place(huge) is None and torch.equal(huge.qdata.view(torch.uint8), before.view(torch.uint8))
     assert qint8.to_int8_in_place(w.t()) is None  # a transposed view
     assert qint8.to_int8_in_place(qint8.to_int8(w)) is None  # int8 already
+
+
+def test_an_in_place_conversion_allocates_a_fraction_of_the_codes():
+    """Counted by torch's profiler: the in-place conversion of a second weight (the first made the reused
+    buffers) allocates its row scales and the sampled indices, far less than the int8 codes a copying
+    conversion allocates (measured too)."""
+    cfg = ComputeConfig(book=Book(), keep_fp8=False)
+    ws = _weights(3, n=1024, k=2048)
+    assert convert_in_place(ws[0], cfg, torch.device("cpu"))
+    in_place = bytes_allocated(lambda: convert_in_place(ws[1], cfg, torch.device("cpu")))
+    copying = bytes_allocated(lambda: qint8.to_int8(ws[2]))
+    codes = 1024 * 2048
+    assert qint8.is_int8(ws[1]) and copying >= codes and in_place < codes // 16, (in_place, copying)

@@ -29,6 +29,7 @@ from ...layouts.int8 import hadamard
 from ...runtime import first_line, log_once, tracing, workspace
 from ...tensor import DROPPED_FP8_FORM, QuantizedTensor
 from .. import int8, proof
+from ..book import default_book
 from .base import Path, bias_cols, cached_on_weight, weight_reference
 
 __all__ = ["Int8Path", "INT8", "int8_operand", "int8_takes", "sampled_conversion_sqnr_db", "SQNR_ROWS",
@@ -176,27 +177,41 @@ def sampled_conversion_sqnr_db(reference, w8, rows: int = SQNR_ROWS) -> float:
 SQNR_BLOCK_ELEMS = 1 << 18  # float32 elements of sampled rows per block (1 MiB per buffer: stays in cache)
 
 
-def _row_blocks(reference, w8, saved: torch.Tensor | None = None):
-    """``sums(idx) -> (err, sig)``: the squared error and signal over rows ``idx``, by blocks of rows through
-    reused buffers; None where the reference is not a CPU FP8 weight with row access or ``w8`` not a CPU
-    per-row (or per-tensor) Int8 weight of its shape. ``saved``: the FP8 codes of rows ``idx`` (uint8
-    ``[len(idx), K]``), taken before the reference's own codes were overwritten (``convert_in_place``); its
-    layout and scales are read from ``reference`` still."""
-    if (not isinstance(reference, QuantizedTensor) or reference.layout.family != "fp8" or not int8.is_int8(w8)
-            or reference.qdata.device.type != "cpu" or w8.qdata.device.type != "cpu" or tracing()
-            or reference.qdata.dim() != 2 or tuple(reference.qdata.shape) != tuple(w8.qdata.shape)
-            or not reference.qdata.is_contiguous() or not w8.qdata.is_contiguous()):
+def _fp8_row_access(reference):
+    """``(r, c, per_tensor, scales)`` of a CPU FP8 weight whose sampled rows the blockwise SQNR reads: its scale
+    block (rows, cols), whether one scale serves the tensor, its scales as float32 (a scalar, or one row per
+    block of rows); None for other weights (another family or device, a transposed or non-contiguous weight, a
+    scale block that does not tile its columns) and while tracing."""
+    if (not isinstance(reference, QuantizedTensor) or reference.layout.family != "fp8" or reference.transposed
+            or reference.qdata.device.type != "cpu" or reference.qdata.dim() != 2
+            or not reference.qdata.is_contiguous() or tracing()):
         return None
     n, k = reference.qdata.shape
     block = reference.layout.kernel_block((n, k))
-    rot = w8.layout.rotation
-    if block is None or (rot and k % rot) or w8.scale.numel() not in (1, n):
+    if block is None:
         return None
     (r, c), per_tensor = block
     if not per_tensor and k % c:
         return None
-    fs = reference.scale.to(torch.float32).reshape(()) if per_tensor else \
-        reference.scale.to(torch.float32).reshape(-(-n // r), -1)
+    s = reference.scale.to(torch.float32)
+    return r, c, per_tensor, (s.reshape(()) if per_tensor else s.reshape(-(-n // r), -1))
+
+
+def _row_blocks(reference, w8, saved: torch.Tensor | None = None):
+    """``sums(idx) -> (err, sig)``: the squared error and signal over rows ``idx``, by blocks of rows through
+    reused buffers; None where the reference has no row access (``_fp8_row_access``) or ``w8`` is not a CPU
+    per-row (or per-tensor) Int8 weight of its shape. ``saved``: the FP8 codes of rows ``idx`` (uint8
+    ``[len(idx), K]``), taken before the reference's own codes were overwritten (``convert_in_place``); its
+    layout and scales are read from ``reference`` still."""
+    access = _fp8_row_access(reference)
+    if (access is None or not int8.is_int8(w8) or w8.qdata.device.type != "cpu" or not w8.qdata.is_contiguous()
+            or tuple(reference.qdata.shape) != tuple(w8.qdata.shape)):
+        return None
+    r, c, per_tensor, fs = access
+    n, k = reference.qdata.shape
+    rot = w8.layout.rotation
+    if (rot and k % rot) or w8.scale.numel() not in (1, n):
+        return None
     s8 = w8.scale.to(torch.float32).reshape(-1)
     h = hadamard(rot, w8.layout.regular) if rot else None
     step = max(1, SQNR_BLOCK_ELEMS // k)
@@ -217,7 +232,8 @@ def _row_blocks(reference, w8, saved: torch.Tensor | None = None):
             else:  # the scale of each sampled row's block, expanded over its columns
                 ref.view(m, k // c, c).mul_(fs.index_select(0, torch.div(part, r, rounding_mode="floor"))[:, :, None])
             q = torch.index_select(q_int8, 0, part, out=workspace("sqnr_int8", m * k, torch.int8).view(m, k))
-            torch.mul(q, s8 if s8.numel() == 1 else s8.index_select(0, part)[:, None], out=got)
+            got.copy_(q).mul_(s8 if s8.numel() == 1 else s8.index_select(0, part)[:, None])  # (int8 * float32 into
+            # float32 would cast the codes to a fresh float32 temporary first)
             if rot:  # back to the weight's own basis (blockdiag(H).T, as Int8.dequantize does)
                 turned = workspace("sqnr_rotated", m * k, torch.float32).view(m, k)
                 torch.matmul(got.view(m, k // rot, rot), h.T, out=turned.view(m, k // rot, rot))
@@ -237,14 +253,10 @@ def convert_in_place(w, cfg, device) -> bool:
     FP8 codes saved before they are overwritten. False, with ``w`` untouched, where it cannot be done in place
     (``int8.to_int8_in_place``; another device, a compiled graph, a weight that is int8 already): the caller
     converts it the usual way."""
-    if (cfg.keep_fp8 or cfg.path != "auto" or tracing() or int8.is_int8(w) or not isinstance(w, QuantizedTensor)
-            or w.layout.family != "fp8" or w.transposed or w.qdata.dim() != 2 or torch.device(device).type != "cpu"
-            or w.qdata.device.type != "cpu" or not int8_takes(w, cfg, device)):
+    if (cfg.keep_fp8 or cfg.path != "auto" or torch.device(device).type != "cpu" or _fp8_row_access(w) is None
+            or not int8_takes(w, cfg, device)):
         return False
     n, k = w.qdata.shape
-    block = w.layout.kernel_block((n, k))
-    if block is None or (not block[1] and k % block[0][1]):  # rows the sampled figure cannot read blockwise
-        return False
     started = time.perf_counter()
     idx = proof.checked_index(n, SQNR_ROWS, SQNR_ROWS // 8, SQNR_ROWS - SQNR_ROWS // 4, w.qdata.device)
     saved = workspace("sqnr_saved_fp8", len(idx) * k, torch.uint8).view(len(idx), k)
@@ -265,11 +277,7 @@ def _db(err: float, sig: float) -> float:
 
 
 def _book(cfg):
-    if cfg.book is not None:
-        return cfg.book
-    from ..book import default_book
-
-    return default_book()
+    return cfg.book if cfg.book is not None else default_book()
 
 
 class Int8Path(Path):
