@@ -19,10 +19,11 @@ Variants, one after another in one process (ComfyUI's free-memory step between t
   stock_fp8_cast    Load Diffusion Model, bf16 file, weight_dtype fp8_e4m3fn (weights stored fp8, upcast per layer)
   stock_fp8_fast    Load Diffusion Model, bf16 file, weight_dtype fp8_e4m3fn_fast (fp8 matmul, activations cast unscaled)
   stock_fp8_mixed   Load Diffusion Model, the FP8 file (ComfyUI's mixed-precision path)
-  pack_auto         Load FP8 Diffusion Model, the FP8 file, compute path auto (node defaults otherwise)
+  pack_auto         Load FP8 Diffusion Model, the FP8 file, compute path auto (node defaults otherwise: a layer that
+                    runs int8 keeps its FP8 form only where it already ran weight-only)
   pack_weight_only  Load FP8 Diffusion Model, the FP8 file, compute path weight-only (what GPUs without FP8 units get)
   pack_memory_first Load FP8 Diffusion Model, the FP8 file, compute path "auto (memory first)" (a layer that runs int8
-                    drops its FP8 form; on the CPU converted in the FP8 form's own storage)
+                    drops its FP8 form whatever ran before; on the CPU converted in the FP8 form's own storage)
   pack_weight_only_copies  (CPU only) the same with dequantized_copies_gb 16: each layer dequantized once and kept
 Per variant: time to the first step (from the loader node's call to the end of the first model call),
 seconds per later step (median), peak VRAM above the starting point (torch.cuda.max_memory_allocated)

@@ -11,10 +11,11 @@ The pack reads the file into its own memory (nothing stays mapped, so a file rep
 model cannot crash the server); `pack_mmap` is the same loader mapping the file instead (what it did
 before, and what stock does), measured in the same run so the cost of reading shows as
 `read_vs_mmap_*` ratios. `pack` runs the node default compute path ("auto": on a CPU with VNNI/AMX the
-layers whose calls int8 proves faster are converted at first use, inside the first step, and keep both
-forms); `pack_weight_only` is the same loader with compute path weight-only, so `auto_vs_weight_only_*`
+layers whose calls int8 proves faster are converted at first use, inside the first step); `pack_weight_only` is the same loader with compute path weight-only, so `auto_vs_weight_only_*`
 ratios show what auto's proofs and conversions add to the first step and to the peak RSS;
-`pack_memory_first` is auto with `keep_fp8=False` (a layer that runs int8 drops its FP8 form).
+`pack` keeps a converted layer's FP8 form only while it serves (`fp8_form="serving"`, the default: a layer whose
+calls all ran int8 becomes int8 in place); `pack_memory_first` always drops it (`fp8_form="drop"`) and
+`pack_both_forms` always keeps it (`fp8_form="keep"`, what "auto" did before).
 
     python bench/load.py [--hidden 1536] [--repeats 1] [--keep-dir DIR] [--loaders stock,pack,pack_weight_only]
 
@@ -142,7 +143,8 @@ def child(loader: str, path: str) -> None:
             from fp8_engram.quant import ComputeConfig, formats
 
             cfg = {"pack_weight_only": lambda: ComputeConfig(path="weight_only"),
-                   "pack_memory_first": lambda: ComputeConfig(keep_fp8=False)}.get(loader, ComputeConfig)()
+                   "pack_memory_first": lambda: ComputeConfig(fp8_form="drop"),
+                   "pack_both_forms": lambda: ComputeConfig(fp8_form="keep")}.get(loader, ComputeConfig)()
             sd, _ = formats.load_file(path, config=cfg, mmap=(loader == "pack_mmap"))
             model = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": make_fp8_ops(cfg)})
         t_load = time.perf_counter() - t0
@@ -163,7 +165,8 @@ def child(loader: str, path: str) -> None:
     # CPU seconds and page faults of the second step: less sensitive to other processes than wall time
     print(json.dumps({"loader": loader, "load_s": t_load, "first_step_s": t_first, "first_step_cpu_s": c_first,
                       "converted_layers": conv.get("layers", 0), "converted_params": conv.get("parameters", 0),
-                      "converting_s": conv.get("seconds", 0.0), "second_step_s": t_second,
+                      "converting_s": conv.get("seconds", 0.0), "dropped_layers": conv.get("dropped_layers", 0),
+                      "second_step_s": t_second,
                       "second_step_cpu_s": c_second, "first_step_minflt": f_first, "second_step_minflt": r1.ru_minflt - r0.ru_minflt,
                       "second_step_majflt": r1.ru_majflt - r0.ru_majflt, "baseline_mb": baseline, "peak_mb": peak}))
 
@@ -181,7 +184,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=1536, help="MMDiT hidden size (depth = hidden/64); 1536 -> ~1.4 GB")
     p.add_argument("--repeats", type=int, default=2, help="runs per loader, interleaved (order alternates)")
     p.add_argument("--keep-dir", help="make the file here and keep it (default: a temp dir, deleted)")
-    p.add_argument("--loaders", default="stock,pack,pack_mmap,pack_weight_only,pack_memory_first",
+    p.add_argument("--loaders", default="stock,pack,pack_mmap,pack_weight_only,pack_memory_first,pack_both_forms",
                    help="which loaders to run (stock and pack are needed for the ratios)")
     p.add_argument("--child", nargs=2, metavar=("LOADER", "FILE"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -197,7 +200,7 @@ def main() -> int:
             size = make_file(path, args.hidden)
             print(f"made {path.name}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
         size = path.stat().st_size
-        order = tuple(v for v in ("stock", "pack", "pack_mmap", "pack_weight_only", "pack_memory_first")
+        order = tuple(v for v in ("stock", "pack", "pack_mmap", "pack_weight_only", "pack_memory_first", "pack_both_forms")
                       if v in args.loaders.split(","))
         results = {k: [] for k in order}
         load0 = os.getloadavg()[0]
@@ -207,13 +210,13 @@ def main() -> int:
         best = {k: {m: min(r[m] for r in v) for m in v[0]} for k, v in results.items() if v}
         print(f"best of {args.repeats} interleaved runs per loader; load average (1 min) before/after: "
               f"{load0:.2f}/{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-        print(f"{'loader':<10}{'load s':>9}{'to 1st step s':>15}{'2nd step s':>12}{'2nd cpu s':>11}{'2nd minflt':>12}"
+        print(f"{'loader':<18}{'load s':>9}{'to 1st step s':>15}{'2nd step s':>12}{'2nd cpu s':>11}{'2nd minflt':>12}"
               f"{'2nd majflt':>12}{'peak-base MiB':>15}{'x file':>8}{'1st cpu s':>10}{'1st minflt':>12}{'converted':>10}"
               f"{'conv s':>8}")
         for k in order:
             b = best[k]
             above = b["peak_mb"] - b["baseline_mb"]
-            print(f"{k:<10}{b['load_s']:>9.2f}{b['first_step_s']:>15.2f}{b['second_step_s']:>12.2f}"
+            print(f"{k:<18}{b['load_s']:>9.2f}{b['first_step_s']:>15.2f}{b['second_step_s']:>12.2f}"
                   f"{b['second_step_cpu_s']:>11.2f}{b['second_step_minflt']:>12d}{b['second_step_majflt']:>12d}"
                   f"{above:>15.0f}{above * 2**20 / size:>8.2f}{b['first_step_cpu_s']:>10.2f}{b['first_step_minflt']:>12d}"
                   f"{b['converted_params'] / 1e6:>9.0f}M{b['converting_s']:>8.2f}")
@@ -235,6 +238,7 @@ def main() -> int:
             "first_step_minflt": {k: v["first_step_minflt"] for k, v in best.items()},
             "converted_params": {k: v["converted_params"] for k, v in best.items()},
             "converting_s": {k: round(v["converting_s"], 2) for k, v in best.items()},
+            "dropped_layers": {k: v["dropped_layers"] for k, v in best.items()},
         }
         if "pack_mmap" in best:
             mm = best["pack_mmap"]
@@ -259,6 +263,12 @@ def main() -> int:
                         "memory_first_vs_auto_peak_rss_ratio": round(mf_above / pack_above, 3),
                         "memory_first_vs_auto_first_step_ratio": round(mf["first_step_s"] / pk["first_step_s"], 3),
                         "memory_first_vs_auto_second_step_ratio": round(mf["second_step_s"] / pk["second_step_s"], 3)})
+        if "pack_both_forms" in best:
+            bf = best["pack_both_forms"]
+            bf_above = (bf["peak_mb"] - bf["baseline_mb"]) * 2**20
+            out.update({"pack_both_forms_peak_rss_above_baseline_x_file": round(bf_above / size, 3),
+                        "auto_vs_both_forms_peak_rss_ratio": round(pack_above / bf_above, 3),
+                        "auto_vs_both_forms_first_step_ratio": round(pk["first_step_s"] / bf["first_step_s"], 3)})
         print(json.dumps(out))
     finally:
         if not args.keep_dir:

@@ -51,11 +51,13 @@ logger = logging.getLogger(__name__)
 
 FP8_CATEGORY = f"{CATEGORY}/fp8"
 
-# the compute_path choice that is "auto" with ComputeConfig.keep_fp8=False (added last: saved workflows name
-# their choice, and the default stays "auto")
+# the compute_path choices that are "auto" with another ComputeConfig.fp8_form (added last: saved workflows name
+# their choice, and the default stays "auto", whose fp8_form is "serving")
 MEMORY_FIRST = "auto (memory first)"
+BOTH_FORMS = "auto (keep both forms)"
+FP8_FORM_OF = {MEMORY_FIRST: "drop", BOTH_FORMS: "keep"}
 COMPUTE_PATHS = {"auto": "auto", "fp8 matmul": "fp8", "weight-only": "weight_only", "int8": "int8",
-                 "int8 without rotation": "int8", MEMORY_FIRST: "auto"}
+                 "int8 without rotation": "int8", MEMORY_FIRST: "auto", BOTH_FORMS: "auto"}
 ACT_SCALING = {"auto": "auto", "static": "static", "dynamic per tensor": "dynamic_tensor", "dynamic per row": "dynamic_row"}
 COMPUTE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ROUNDING = ("nearest", "stochastic")
@@ -86,12 +88,14 @@ def _options():
                        "fp8 matmul: always try it (falls back if it fails). weight-only: dequantize and multiply. "
                        "int8: weights converted to int8 per channel at load (rotated by a 128-wide Hadamard "
                        "transform, which tames activation outliers, unless 'without rotation'), activations per token; "
-                       "auto converts a layer only at its first call that runs int8 and keeps the file's form "
-                       "beside it (about one more byte per parameter of each converted layer) for the calls where "
-                       "weight-only won. auto (memory first): the same, but a layer whose call ran int8 drops the "
-                       "file's form and keeps only the int8 one, saving that byte per parameter; its later "
-                       "weight-only calls then multiply the int8 values (about 40 dB SQNR against the file's), and "
-                       "Save FP8 Model re-quantizes such layers to their FP8 form. Only devices where auto runs int8 "
+                       "auto converts a layer only at its first call that runs int8, and keeps the file's form "
+                       "beside it only while that form serves: a layer that already ran weight-only keeps both "
+                       "(about one more byte per parameter), one whose calls all ran int8 becomes int8 in place. "
+                       "auto (keep both forms): every converted layer keeps the file's form, so later weight-only "
+                       "calls and Save FP8 Model use its exact values. auto (memory first): a layer whose call ran "
+                       "int8 keeps only the int8 form, whatever ran before. A layer without the file's form "
+                       "multiplies its int8 values in weight-only calls too (about 40 dB SQNR against the file's), "
+                       "and Save FP8 Model re-quantizes it to its FP8 form. Only devices where auto runs int8 "
                        "(INT8 without FP8 units) are affected."),
         io.Combo.Input("activation_scaling", options=list(ACT_SCALING), default="auto",
                        tooltip="How activations are scaled for fp8 x fp8. auto: one dynamic scale per row (token), "
@@ -130,7 +134,8 @@ def _config(compute_path, activation_scaling, compute_dtype, fast_paths=FAST_PAT
         verdict_book().forget(comfy.model_management.get_torch_device())
     return ComputeConfig(path=COMPUTE_PATHS[compute_path], activation_scaling=ACT_SCALING[activation_scaling],
                          compute_dtype=COMPUTE_DTYPES[compute_dtype],
-                         int8_rotation=compute_path != "int8 without rotation", keep_fp8=compute_path != MEMORY_FIRST,
+                         int8_rotation=compute_path != "int8 without rotation",
+                         fp8_form=FP8_FORM_OF.get(compute_path, "serving"),
                          trust_fast_paths=fast_paths == "trust without proving", dequant_cache_bytes=int(gb * 2**30),
                          book=verdict_book())
 
@@ -155,16 +160,16 @@ def _compute_label(cfg: ComputeConfig, ops=None) -> str:
     from ..quant import fp8_supported
 
     how = "by capability" if cfg.trust_fast_paths else "where proven and measured faster"
-    unused = "" if cfg.keep_fp8 else "; memory first changes nothing here (no layer is converted to int8)"
+    choice = {"drop": " (memory first)", "keep": " (keep both forms)"}.get(cfg.fp8_form, "")
+    unused = f"; {choice.strip(' ()')} changes nothing here (no layer is converted to int8)" if choice else ""
     if fp8_supported(device):
         return f"auto: fp8 matmul ({cfg.activation_scaling}) {how}, else weight-only{unused}"
     from ..quant.compute.int8 import int8_supported
 
     if int8_supported(device):  # per token class int8 or weight-only, as measured; converted at first use
-        if not cfg.keep_fp8:
-            return (f"auto (memory first): {int8_label} on {device} {how} (layers converted at first use drop their "
-                    "FP8 form), else weight-only")
-        return f"auto: {int8_label} on {device} {how} (layers converted at first use), else weight-only"
+        forms = {"drop": "drop their FP8 form", "keep": "keep their FP8 form beside"}.get(
+            cfg.fp8_form, "keep their FP8 form only where it already ran weight-only")
+        return f"auto{choice}: {int8_label} on {device} {how} (layers converted at first use {forms}), else weight-only"
     return f"auto: weight-only on {device}{unused}"
 
 
@@ -479,7 +484,7 @@ class QuantizeModelToFP8(io.ComfyNode):
 
 
 def _back_to_fp8(sd: dict) -> int:
-    """Weights of ``sd`` that memory first made int8 (``ComputeConfig.keep_fp8=False``) go back to the FP8 form
+    """Weights of ``sd`` that "auto" made int8 in place (``ComputeConfig.fp8_form``) go back to the FP8 form
     they were loaded in, each re-quantized from its int8 values when the writer reaches it (one layer's copy at
     a time): the file is what the user loaded, in the form the loaded file had (per-tensor e4m3fn stays readable
     by stock ComfyUI), whichever layers happened to run int8. Returns how many were re-quantized."""
@@ -510,8 +515,9 @@ class SaveFP8Model(io.ComfyNode):
             "the output folder, atomically; an existing file is never replaced (a counter is added). Per-tensor "
             "FP8 files load unchanged in stock ComfyUI's Load Diffusion Model; row- and block-wise files need "
             "this pack's loader, and the node says so. Weights that are not FP8 keep the dtype of the file they "
-            "were loaded from, or the one picked here. Layers that a loader's 'auto (memory first)' made int8 are "
-            "written re-quantized into the FP8 form they were loaded in.",
+            "were loaded from, or the one picked here. Layers that a loader's 'auto' made int8 in place (their calls ran "
+            "int8 on a CPU or GPU with INT8 and no FP8 units) are written re-quantized into the FP8 form they were "
+            "loaded in; load with 'auto (keep both forms)' or 'weight-only' to save the file's bytes exactly.",
             inputs=[io.Model.Input("model", tooltip="The model to save (e.g. from Quantize Model to FP8)."),
                     io.String.Input("filename_prefix", default="fp8/model",
                                     tooltip="Name (and subfolder) inside the output folder; a counter is appended. "
@@ -552,9 +558,10 @@ class SaveFP8Model(io.ComfyNode):
         where = os.path.relpath(result.path, out_dir)
         msg = (f"saved output/{where}\n{result.bytes_written / 2**20:.2f} MiB, {result.layers_quantized} FP8 layers; "
                f"{dtype_note}.\n"
-               + (f"{refp8} layer(s) had run int8 under compute_path auto (memory first) and kept no FP8 data: "
+               + (f"{refp8} layer(s) had run int8 under compute_path auto and kept no FP8 data: "
                   "written re-quantized from their int8 values into the FP8 form they were loaded in (near the "
-                  "loaded values, not their bytes; load with compute_path auto to save those exactly).\n"
+                  "loaded values, not their bytes; load with compute_path 'auto (keep both forms)' to save those "
+                  "exactly).\n"
                   if refp8 else "")
                + ("Stock ComfyUI's Load Diffusion Model reads it unchanged." if result.stock_comfy_readable else
                   "Its MXFP8 layers are in ComfyUI 0.29's own form: stock ComfyUI 0.29 and newer read them; "

@@ -13,7 +13,7 @@
   `comfy.model_patcher` looks up: dequantize -> patch -> requantize into the same layout and FP8
   dtype with a fresh scale (round to nearest, or stochastic with ComfyUI's per-key seed). The
   patcher keeps the original QuantizedTensor as its backup, so unpatching restores the exact bytes. Under
-  memory first (compute_path "auto (memory first)") a weight may have become int8 in place before or while
+  "auto" where int8 runs (``ComputeConfig.fp8_form``) a weight may have become int8 in place before or while
   it is patched: it is patched in its int8 layout, and unpatching gives back the original weight in the
   form it has now (its int8 one once a call of it ran int8).
 Options live on the fresh class only (never on a shared class), so two loads never leak into each other.
@@ -195,7 +195,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                         cur.scale.copy_(new.scale)
                         cur.scales_written()
                 else:
-                    # a weight made int8 by memory first is patched in its int8 layout (one rounding, no FP8
+                    # a weight made int8 in place is patched in its int8 layout (one rounding, no FP8
                     # data to come back to); the patched one still knows the FP8 form to be saved in
                     param = torch.nn.Parameter(new, requires_grad=False)
                     carry_fp8_form(cur, param)

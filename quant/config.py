@@ -8,10 +8,12 @@ import torch
 
 from .errors import QuantizationError
 
-__all__ = ["ComputeConfig", "PATHS", "ACTIVATION_SCALINGS"]
+__all__ = ["ComputeConfig", "PATHS", "ACTIVATION_SCALINGS", "FP8_FORMS"]
 
 PATHS = ("auto", "fp8", "weight_only", "int8")
 ACTIVATION_SCALINGS = ("auto", "static", "dynamic_tensor", "dynamic_row")
+# what "auto" does with the file's form of a weight it converted to int8 (ComputeConfig.fp8_form)
+FP8_FORMS = ("serving", "keep", "drop")
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,19 @@ class ComputeConfig:
         False (the default): every fast path is proven by value on this device, and timed against the
         plain path, the first time a kind of product meets it (``compute/prove.py``); True: take the
         fast paths by the device's capability alone, without proving them
-    keep_fp8:
-        True (the default): under "auto", a weight converted to int8 keeps its FP8 form beside the int8 one,
-        so the token classes where weight-only won still multiply the file's FP8 values (about one more byte
-        per parameter of each converted layer). False (memory first): once a layer's call runs int8, the FP8
-        form is dropped and the weight becomes the int8 one in place (its ``qdata``, ``scale`` and
-        ``layout``): that byte per parameter is freed, and every later call of that weight, weight-only
-        included, multiplies the int8 values (SQNR ~40 dB against the FP8 ones); its kinds of call are
-        proven anew for the int8 layout. The loaders offer it as compute_path "auto (memory first)"; the weight
-        remembers its FP8 form, and Save FP8 Model writes it back in that form (``paths.int8.in_fp8_form``).
+    fp8_form:
+        What "auto" keeps of a weight it converted to int8 (where int8 runs: fast INT8 and no FP8 units).
+        "serving" (the default): the FP8 form stays only while it serves: a weight whose calls have all run int8
+        when it is converted becomes its int8 form in place (its ``qdata``, ``scale`` and ``layout``; on the CPU
+        converted in its own storage), so a model whose layers only run int8 holds one byte per parameter, not
+        two; a weight that has already run weight-only (a token class where weight-only won, a product too
+        small to prove, a shape int8 failed on) keeps its FP8 form beside the int8 one, about one more byte per
+        parameter. "keep": every converted weight keeps both forms, so any later weight-only call multiplies the
+        file's FP8 values. "drop" (memory first): once a call runs int8 the FP8 form goes, whatever ran before.
+        A weight without its FP8 form multiplies the int8 values in its later weight-only calls too (SQNR ~40 dB
+        against the FP8 ones); its kinds of call take the verdicts the FP8 form's int8 proofs reached (the same
+        int8 operands and kernels). The weight remembers its FP8 form, and Save FP8 Model writes it back in
+        that form (``paths.int8.in_fp8_form``: re-quantized from the int8 values, near the file's, not equal).
     dequant_cache_bytes:
         0 (the default): off. Otherwise, on the CPU, the weight-only path keeps a weight's dequantized copy (in the
         compute dtype: 2 bytes per parameter in bfloat16, 4 in float32) on the weight and reuses it at later calls
@@ -71,7 +77,7 @@ class ComputeConfig:
     compute_dtype: torch.dtype | None = None
     int8_rotation: bool = True
     trust_fast_paths: bool = False
-    keep_fp8: bool = True
+    fp8_form: str = "serving"
     dequant_cache_bytes: int = 0
     book: object = field(default=None, compare=False, repr=False)
 
@@ -80,6 +86,8 @@ class ComputeConfig:
             raise QuantizationError(f"ComputeConfig.book must be a compute.book.Book or None, got {self.book!r}")
         if self.path not in PATHS:
             raise QuantizationError(f"ComputeConfig.path must be one of {PATHS}, got {self.path!r}")
+        if self.fp8_form not in FP8_FORMS:
+            raise QuantizationError(f"ComputeConfig.fp8_form must be one of {FP8_FORMS}, got {self.fp8_form!r}")
         if self.activation_scaling not in ACTIVATION_SCALINGS:
             raise QuantizationError(
                 f"ComputeConfig.activation_scaling must be one of {ACTIVATION_SCALINGS}, "

@@ -64,7 +64,8 @@ def run(device, models, tokens, cache=None) -> dict:
     device = torch.device(device)
     started = time.perf_counter()
     book = Book(cache, every_size=True)
-    configs = [ComputeConfig(book=book)]  # "auto"
+    # "auto", keeping every weight's FP8 form: the forced paths below multiply the same weights as given
+    configs = [ComputeConfig(book=book, fp8_form="keep")]
     if device.type == "cpu":  # the forced paths, which "auto" does not try on a CPU
         configs += [ComputeConfig(path="fp8", book=book), ComputeConfig(path="int8", book=book)]
     for model in models:

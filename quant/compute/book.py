@@ -278,7 +278,8 @@ class Book:
         self._loaded: set = set()  # stack ids read from the file
         self._dirty: set = set()  # (stack id, Key) written in this process since the last write
         self._forgotten: set = set()  # stack ids to drop from the file at the next write
-        self._conversions: dict = {}  # stack id -> [layers, parameters, seconds, [sampled SQNR dB]]
+        # stack id -> [layers, parameters, seconds, [sampled SQNR dB], layers and parameters whose FP8 form went]
+        self._conversions: dict = {}
         self.checks = [0, 0.0]  # calls checked at a new shape (prove.check_call) in this process, and their seconds
         self.generation = 0
 
@@ -400,20 +401,30 @@ class Book:
         """Count one weight converted at first use (for the int8 path) on ``device``: what it cost and its
         sampled SQNR against the weight it was made from."""
         with self._lock:
-            c = self._conversions.setdefault(stack_facts(device)[0], [0, 0, 0.0, []])
+            c = self._conversions.setdefault(stack_facts(device)[0], [0, 0, 0.0, [], 0, 0])
             c[0] += 1
             c[1] += params
             c[2] += seconds
             c[3].append(sqnr_db)
 
+    def dropped_fp8(self, device, params: int) -> None:
+        """Count one converted weight on ``device`` that became its int8 form, its FP8 form (``params`` codes of
+        one byte) freed (``ComputeConfig.fp8_form``)."""
+        with self._lock:
+            c = self._conversions.setdefault(stack_facts(device)[0], [0, 0, 0.0, [], 0, 0])
+            c[4] += 1
+            c[5] += params
+
     def conversions(self, device) -> dict | None:
-        """{layers, parameters, seconds, mean_sqnr_db, min_sqnr_db} of the conversions on ``device`` so far."""
+        """{layers, parameters, seconds, mean_sqnr_db, min_sqnr_db, dropped_layers, dropped_parameters} of the
+        conversions on ``device`` so far (dropped: the weights that kept only their int8 form)."""
         c = self._conversions.get(stack_facts(device)[0])
-        if not c:
+        if not c or not c[0]:
             return None
         finite = [d for d in c[3] if math.isfinite(d)] or [math.inf]
         return {"layers": c[0], "parameters": c[1], "seconds": round(c[2], 3),
-                "mean_sqnr_db": round(sum(finite) / len(finite), 2), "min_sqnr_db": round(min(c[3]), 2)}
+                "mean_sqnr_db": round(sum(finite) / len(finite), 2), "min_sqnr_db": round(min(c[3]), 2),
+                "dropped_layers": c[4], "dropped_parameters": c[5]}
 
     def failures(self, device=None) -> list:
         """(path, failure key) of each kind of product whose path raised on ``device`` (every device: None)."""
@@ -507,7 +518,8 @@ class Book:
         """Per kind, what was chosen over how many shape classes, and why (the loaders' summaries)."""
         groups: dict = {}
         for v in self.verdicts(device):
-            if kinds is None or v.kind in kinds:
+            if v.source != "derived" and (kinds is None or v.kind in kinds):  # (derived: a converted weight's
+                # kinds, filed as its FP8 kinds were: not classes of their own)
                 groups.setdefault(v.kind, []).append(v)
         lines = []
         for kind, vs in groups.items():
@@ -519,8 +531,13 @@ class Book:
             lines.append(f"{kind}: {told} (e.g. {describe(vs[0])}; proving took {cost * 1e3:.0f} ms)")
         c = self.conversions(device) if device is not None and (kinds is None or "int8" in kinds) else None
         if c:
+            kept_layers, kept = c["layers"] - c["dropped_layers"], c["parameters"] - c["dropped_parameters"]
+            forms = [f"{c['dropped_layers']} hold only the int8 form ({c['dropped_parameters'] / 2**20:.0f} MiB of "
+                     "FP8 codes freed)"] if c["dropped_layers"] else []
+            if kept_layers > 0:
+                forms.append(f"{kept_layers} keep the file's form beside it (+{max(kept, 0) / 2**20:.0f} MiB)")
             lines.append(f"int8 conversions at first use: {c['layers']} layer(s), {c['parameters'] / 1e6:.1f} M "
-                         f"parameters in {c['seconds']:.2f} s (kept beside the file's weights), sampled SQNR mean "
+                         f"parameters in {c['seconds']:.2f} s ({'; '.join(forms)}), sampled SQNR mean "
                          f"{c['mean_sqnr_db']:.1f} dB, min {c['min_sqnr_db']:.1f} dB")
         return lines
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 
 import torch
 
@@ -127,10 +128,12 @@ def to_int8_in_place(w: QuantizedTensor, rotation: int | None = None, *, config=
     are gone (the caller makes ``w`` that int8 weight at once: ``paths.int8.drop_fp8_form``). The same values
     as :func:`to_int8`; no memory is allocated for the codes, so no fresh pages are faulted in. None, with
     ``w`` untouched, where it cannot be done in place: off the CPU, another layout, a transposed or
-    non-contiguous weight, or scales so large that the rotated rows could overflow float32 (checked before a
-    byte is written: the one way the conversion could fail half way)."""
+    non-contiguous weight, codes another tensor shares (``_codes_unshared``: a copy of the weight made by
+    ``with_config`` or ``detach``, a state dict still held, would read int8 bytes as FP8), or scales so large
+    that the rotated rows could overflow float32 (checked before a byte is written: the one way the conversion
+    could fail half way)."""
     if (not isinstance(w, QuantizedTensor) or w.layout.family != "fp8" or w.transposed or w.qdata.dim() != 2
-            or not w.qdata.is_contiguous()):
+            or not w.qdata.is_contiguous() or not _codes_unshared(w)):
         return None
     rows = _fp8_rows(w)
     if rows is None:
@@ -145,6 +148,19 @@ def to_int8_in_place(w: QuantizedTensor, rotation: int | None = None, *, config=
         q, scale = layout.quantize_rows(shape, rows[1], align=rows[0], out=w.qdata.view(torch.int8))
     return QuantizedTensor.from_parts(q, scale, layout, orig_dtype=_logical_dtype(w.orig_dtype),
                                       config=config or w.config)
+
+
+def _codes_unshared(w: QuantizedTensor) -> bool:
+    """Whether ``w`` alone reads its codes: no other weight holds its ``qdata`` tensor (``with_config`` and
+    ``_replace`` share it: Python's reference count of it is ``w``'s and the one asking here), and no other tensor
+    views its storage (torch's use count of the storage: ``qdata``'s and the storage object asked). False where
+    this torch cannot tell: bytes another tensor may read are never rewritten."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    codes = w.__dict__.get("qdata")
+    if count is None or codes is None or sys.getrefcount(codes) > 3:  # w's, ``codes``, getrefcount's argument
+        return False
+    storage = codes.untyped_storage()
+    return count(storage._cdata) <= 2
 
 
 def _logical_dtype(orig: torch.dtype) -> torch.dtype:

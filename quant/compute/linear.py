@@ -8,8 +8,10 @@ The first call of a kind of product builds that route: the paths of ``paths.PATH
 each new shape is checked by value (``prove.check_call``). One fallback rule: a fast path that raises is
 remembered as failed for its kind of product (out of memory: for that call only), and the call runs the
 plain path, as does every call of a path refused on record.
-Under ``keep_fp8=False`` a weight whose call ran int8 becomes its int8 form in place (``paths.int8.drop_fp8_form``); on
-the CPU, once its kind of call is proven, it is converted in its own storage (``paths.int8.convert_in_place``).
+A weight whose call runs int8 becomes its int8 form in place where ``ComputeConfig.fp8_form`` says so (by default:
+no call has run weight-only on its FP8 form yet; ``paths.int8.drop_fp8_form``); on the CPU, once its kind of call is
+proven, it is converted in its own storage (``paths.int8.convert_in_place``). Its int8 kinds of call take the
+verdicts and proven shapes of the FP8 kinds that ran int8 (the same int8 operand and kernel were proven there).
 
 Autograd: only paths that declare a backward (fp8; the plain path) take calls that record, under the same
 verdicts. torch.compile: while tracing nothing is proven or timed; a fast path is traced (through its custom
@@ -30,9 +32,9 @@ from ..errors import QuantizationError
 from ..runtime import first_line, is_oom, log_once, tracing
 from ..tensor import QuantizedTensor
 from . import prove
-from .book import M_CLASSES, Key, default_book, shape_class
+from .book import M_CLASSES, Key, Verdict, default_book, shape_class
 from .paths import PATHS, REGISTRY, WEIGHT_ONLY
-from .paths.int8 import INT8, convert_in_place, drop_fp8_form
+from .paths.int8 import INT8, convert_in_place, drop_fp8_form, drops_fp8_form, served_plain
 from .paths.plain import rotation_macs
 from .int8 import is_int8
 from .scaled_mm import fp8_supported
@@ -82,13 +84,18 @@ def _key(w, cfg, names: tuple, forced: str, m: int, n: int, k: int, x_dtype, cdt
                out_dtype=name(cdt), bias=has_bias)
 
 
+def _names(w, cfg, device, cdt, grad: bool) -> tuple:
+    """The registered paths that take ``w`` for a call on ``device`` (those that record autograd under ``grad``)."""
+    return tuple(p.name for p in PATHS if (not grad or p.grad_ok) and p.takes(w, cfg, device, cdt))
+
+
 def _build(x2d, w, bias, cfg: ComputeConfig, cdt, grad: bool, book):
     """The route of this call's kind (see the module docstring), or None while tracing without a verdict."""
     device = x2d.device
     generation = book.generation
     m, k = x2d.shape
     n = w.matrix_shape[0]
-    names = tuple(p.name for p in PATHS if (not grad or p.grad_ok) and p.takes(w, cfg, device, cdt))
+    names = _names(w, cfg, device, cdt, grad)
     fast = [p for p in names if not REGISTRY[p].plain]
     if not fast or m == 0:
         return _Route(cfg, generation, WEIGHT_ONLY)
@@ -141,6 +148,39 @@ def _route(x2d, w, bias, cfg, cdt, grad: bool, book) -> _Route | None:
     return route
 
 
+def _file_int8_kinds(w, routes, cfg, book) -> None:
+    """``w`` has just become its int8 form (``drop_fp8_form``): for each kind of call its FP8 form was routed int8
+    on (``routes``: the weight's route cache before the drop), file the same verdict under the int8 form's key,
+    with the shapes it was checked at, so those calls are not proven again. The proofs behind them multiplied
+    this int8 operand with this kernel, checked against its twin and against the FP8 weight; the verdict is
+    filed for this process only (``source="derived"``), where the next load derives it again."""
+    n, k = w.matrix_shape
+    for (device, x_dtype, cdt, has_bias, _, grad, mc), route in list((routes or {}).items()):
+        if route.path is not INT8 or route.key is None or route.cfg is not cfg:
+            continue
+        v = book.verdict(device, route.key)
+        proof = None if v is None else v.proofs.get(INT8.name)
+        if v is None or v.chosen != INT8.name or not (proof or {}).get("ok"):
+            continue
+        names = _names(w, cfg, device, cdt, grad)
+        if INT8.name not in names:
+            continue
+        key = _key(w, cfg, names, route.key.forced, M_CLASSES[mc][1], n, k, x_dtype, cdt, has_bias, device)
+        if book.verdict(device, key) is None:
+            book.file(device, Verdict(key=key, chosen=INT8.name, why=f"as its FP8 form's: {v.why}",
+                                      proofs={INT8.name: proof},
+                                      seconds={p: t for p, t in v.seconds.items() if p == INT8.name},
+                                      source="derived"), persist=False)
+        for shape in list(book.shapes(device, route.key, INT8.name)):
+            book.cover(device, key, INT8.name, shape)
+
+
+def _dropped(w, w8, routes, cfg, book) -> None:
+    """Book-keeping of a weight that became its int8 form ``w8``: the memory freed, its int8 kinds' verdicts."""
+    book.dropped_fp8(w8.qdata.device, w8.qdata.numel())
+    _file_int8_kinds(w, routes, cfg, book)
+
+
 def route_of(x: torch.Tensor, w: QuantizedTensor, bias=None, config: ComputeConfig | None = None) -> str:
     """The registered name of the path ``linear(x, w, bias, config)`` takes now (proving first if needed)."""
     cfg = config or w.config or DEFAULT_CONFIG
@@ -162,9 +202,11 @@ def _call_shape(x2d, w) -> tuple:
 def _fast(route: _Route, x2d, w, bias, cfg, cdt, book):
     """The route's fast path on this call, or None where the call takes the plain path (see the docstring)."""
     path, device = route.path, x2d.device
-    if path is INT8 and not cfg.keep_fp8 and not is_int8(w) and (route.key is None
-                                                                  or _call_shape(x2d, w) in route.covered):
-        convert_in_place(w, cfg, device)  # memory first, on a call int8 is proven for: no second copy (CPU)
+    if path is INT8 and not is_int8(w) and drops_fp8_form(w, cfg) and (route.key is None
+                                                                       or _call_shape(x2d, w) in route.covered):
+        routes = w.__dict__.get("_routes")
+        if convert_in_place(w, cfg, device):  # a call int8 is proven for, on the CPU: no second copy
+            _dropped(w, w, routes, cfg, book)
     wop = path.operand(w, cfg, device, cdt)
     if wop is None or not path.accepts(x2d, wop):
         return None
@@ -239,11 +281,17 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     out = None
     if route is not None and not route.path.plain:
         out = _fast(route, x2d, weight, bias, cfg, cdt, book)
-        if out is not None and not cfg.keep_fp8 and route.path is INT8 and not tracing() and not is_int8(weight):
-            drop_fp8_form(weight, route.path.operand(weight, cfg, x2d.device, cdt))  # memory first: int8 only
+        if out is not None and route.path is INT8 and not tracing() and not is_int8(weight) \
+                and drops_fp8_form(weight, cfg):
+            routes = weight.__dict__.get("_routes")
+            w8 = route.path.operand(weight, cfg, x2d.device, cdt)
+            if drop_fp8_form(weight, w8):  # its FP8 form serves no call: the int8 form only
+                _dropped(weight, w8, routes, cfg, book)
     traced = route.path if out is not None else WEIGHT_ONLY
     if out is None:
         out = _plain(x2d, weight, bias, cdt, cfg)
+        if not tracing():
+            served_plain(weight)  # its FP8 form (or its int8 one) serves a kind of call now
     if tracing():
         log_once(logger, ("traced", traced.name, x2d.device.type), logging.INFO,
                  "torch.compile is tracing FP8 linears (%s path on %s) into its graph", traced.name, x2d.device.type)

@@ -1,9 +1,11 @@
-"""compute_path "auto (memory first)" on the loaders, in process with ComfyUI's own ModelPatcher (no server).
+"""Layers that "auto" makes int8 in place, on the loaders, in process with ComfyUI's own ModelPatcher (no server).
 
-Memory first is "auto" with ``ComputeConfig.keep_fp8=False``: a layer whose call ran int8 becomes its int8
-form in place and its FP8 data is freed (quant/compute/paths/int8.py ``drop_fp8_form``). What is shown here:
+compute_path "auto (memory first)" is "auto" with ``ComputeConfig.fp8_form="drop"``: a layer whose call ran int8
+becomes its int8 form in place and its FP8 data is freed (quant/compute/paths/int8.py ``drop_fp8_form``); plain
+"auto" ("serving") does the same for a layer that had run no weight-only call before, "auto (keep both forms)"
+("keep") never does. What is shown here:
 
-- the loader's choice reaches the config of every weight, and the loader's summary says memory first;
+- the loader's choice reaches the config of every weight, and the loader's summary says which it is;
 - a LoRA patched onto such a model (before or after its layers dropped their FP8 form, replacing or in place),
   run, unpatched and run again gives the right numbers: every layer's output against float64 (the file's
   FP8 weights dequantized, plus the LoRA's delta while patched) and against the same model loaded without
@@ -16,7 +18,7 @@ trust fast paths by capability (no timing decides which path runs).
 
 Floors (dB), measured on the tiny SD3 model (3 tokens per layer, worst layer): an int8 layer's output against
 float64 of the FP8 weights 37.9 (floor 30), a patched layer's 30.9 (floor 25); memory first against
-keep_fp8=True, same inputs, 30.6 on patched layers (floor 25), and after unpatching they are equal here
+both forms kept, same inputs, 30.6 on patched layers (floor 25), and after unpatching they are equal here
 (floor 30); an unpatched weight against the file's FP8 values 41.2 (floor 35; the LoRA moves a patched one
 to 7-14 dB); a weight written back to FP8 from its int8 values against the file's FP8 values 44.6 (floor 35),
 a patched one against the float64 patched weight 30.9 (floor 25).
@@ -117,14 +119,35 @@ def test_the_memory_first_choice_reaches_every_weight_and_the_summary(env):
     nodes = env[0]
     assert list(nodes.COMPUTE_PATHS)[:5] == ["auto", "fp8 matmul", "weight-only", "int8", "int8 without rotation"]
     combo = nodes._options()[0]
-    assert combo.id == "compute_path" and combo.default == "auto" and "auto (memory first)" in combo.options
-    for choice, keep in (("auto (memory first)", False), ("auto", True)):
+    assert combo.id == "compute_path" and combo.default == "auto"
+    assert combo.options[-2:] == ["auto (memory first)", "auto (keep both forms)"]  # added last: saved choices stay
+    for choice, form, label in (("auto (memory first)", "drop", "drop their FP8 form"),
+                                ("auto (keep both forms)", "keep", "keep their FP8 form beside"),
+                                ("auto", "serving", "keep their FP8 form only where it already ran weight-only")):
         model, summary = _load(env, choice, "proven on this device")
         weights = [m.weight for m in _linears(model).values()]
         assert len(weights) == 24
-        assert all(w.config.path == "auto" and w.config.keep_fp8 is keep for w in weights), choice
+        assert all(w.config.path == "auto" and w.config.fp8_form == form for w in weights), choice
         assert all(w.qdata.dtype == torch.float8_e4m3fn for w in weights)  # nothing converted at load
-        assert summary["compute_path"].startswith("auto (memory first): int8" if not keep else "auto: int8"), summary
+        assert summary["compute_path"].startswith(f"{choice}: int8") and label in summary["compute_path"], summary
+
+
+def test_auto_frees_the_fp8_form_of_layers_that_only_ran_int8(env):
+    """Plain "auto": every call of this model runs int8 (trusted here), so no FP8 form serves a call."""
+    from fp8_engram.quant.compute.paths.int8 import dropped_fp8_form
+
+    model, _ = _load(env, "auto")
+    fp8 = _fp8_weights(model)
+    xs = _inputs(model)
+    ptrs = {n: m.weight.qdata.data_ptr() for n, m in _linears(model).items()}
+    got = _run(model, xs)
+    assert _all_int8(model)
+    # no other tensor reads the loaded codes (the loader's state dict is gone): each converted in its own storage
+    assert all(m.weight.qdata.data_ptr() == ptrs[n] for n, m in _linears(model).items())
+    ref = _reference(fp8, model, xs)
+    for n in xs:
+        assert sqnr(ref[n], got[n]) > 30.0, n
+        assert dropped_fp8_form(_linears(model)[n].weight).dtype == torch.float8_e4m3fn
 
 
 def test_memory_first_frees_the_fp8_form_of_the_layers_that_ran_int8(env):
@@ -140,7 +163,7 @@ def test_memory_first_frees_the_fp8_form_of_the_layers_that_ran_int8(env):
         assert sqnr(ref[n], got[n]) > 30.0, n
         w = _linears(model)[n].weight
         assert dropped_fp8_form(w).dtype == torch.float8_e4m3fn and "_derived" not in w.__dict__
-    kept, _ = _load(env, "auto")
+    kept, _ = _load(env, "auto (keep both forms)")
     _run(kept, xs)
     assert all(m.weight.qdata.dtype == torch.float8_e4m3fn for m in _linears(kept).values())
 
@@ -150,7 +173,7 @@ def test_memory_first_frees_the_fp8_form_of_the_layers_that_ran_int8(env):
 def test_a_lora_patched_run_unpatched_and_run_again_gives_the_right_numbers(env, order, inplace):
     _, comfy_sd, _, _ = env
     model, _ = _load(env, "auto (memory first)")
-    kept, _ = _load(env, "auto")  # the same file without memory first: both forms kept
+    kept, _ = _load(env, "auto (keep both forms)")  # the same file, both forms kept
     fp8 = _fp8_weights(model)
     xs = _inputs(model)
     lora = make_lora(model)
@@ -207,7 +230,7 @@ def test_save_fp8_model_writes_a_memory_first_model_in_its_loaded_fp8_form(env):
     finally:
         mm.unload_all_models()
     path, text = out.result[0], out.ui["text"][0]
-    assert "24 layer(s) had run int8 under compute_path auto (memory first)" in text, text
+    assert "24 layer(s) had run int8 under compute_path auto and kept no FP8 data" in text, text
     assert "Stock ComfyUI's Load Diffusion Model reads it unchanged." in text, text
     sd, report = formats.load_file(path)
     weights = {k[: -len(".weight")].removeprefix("diffusion_model."): v for k, v in sd.items() if hasattr(v, "qdata")}
@@ -236,7 +259,7 @@ def test_the_save_leaves_weights_that_kept_their_fp8_form_byte_for_byte(env):
         out = nodes.SaveFP8Model.execute(model, "memory_first/unrun")
     finally:
         mm.unload_all_models()
-    assert "memory first" not in out.ui["text"][0]
+    assert "kept no FP8 data" not in out.ui["text"][0]
     saved, _ = formats.load_file(out.result[0])
     loaded, _ = formats.load_file(str(source))
     for k, w in loaded.items():

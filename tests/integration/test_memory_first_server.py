@@ -58,7 +58,7 @@ def test_memory_first_samples_like_auto_and_saves_the_loaded_fp8_form(comfy, out
             "2": {"class_type": "FP8Engram.SaveFP8Model", "inputs": {"model": ["1", 0], "filename_prefix": "mfs_saved"}}}
     hist = comfy.run(save)
     text = hist["outputs"]["2"]["text"][0]
-    assert ("24 layer(s) had run int8 under compute_path auto (memory first)" in text) == dropped, text
+    assert ("24 layer(s) had run int8 under compute_path auto and kept no FP8 data" in text) == dropped, text
     assert "Stock ComfyUI's Load Diffusion Model reads it unchanged." in text, text
     files = sorted(output_dir.glob("mfs_saved_*.safetensors"))
     assert len(files) == 1, files

@@ -8,17 +8,14 @@ too; which path wins is set by a fake clock (no wall-clock margin decides).
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, linear
-from fp8_engram.quant.compute import Book, int8 as qint8, proof
+from fp8_engram.quant.compute import Book, int8 as qint8
 from fp8_engram.quant.compute.paths.int8 import convert_in_place, dropped_fp8_form, sampled_conversion_sqnr_db
 from helpers.allocations import bytes_allocated
-
-plain = importlib.import_module("fp8_engram.quant.compute.paths.plain")
+from helpers.int8_calls import activation, converted, fake_clock, fp8_weights
 
 
 @pytest.fixture(autouse=True)
@@ -26,89 +23,50 @@ def fast_int8_device(monkeypatch):
     monkeypatch.setattr(qint8, "int8_supported", lambda device: torch.device(device).type == "cpu")
 
 
-def _clock(monkeypatch, plain_s: float, int8_s: float):
-    """Timing on a fake clock: the plain path's dequantization and the int8 GEMM take what the test says."""
-    now = [0.0]
-
-    def for_device(device):
-        def timed(fn):
-            t0 = now[0]
-            fn()
-            return now[0] - t0
-        return timed
-
-    monkeypatch.setattr(proof, "clock_for", for_device)
-    real_dq, real_mm = plain._dequantized, qint8.int8_linear_mm
-
-    def dq(*a, **k):
-        now[0] += plain_s
-        return real_dq(*a, **k)
-
-    def mm(*a, **k):
-        now[0] += int8_s
-        return real_mm(*a, **k)
-
-    monkeypatch.setattr(plain, "_dequantized", dq)
-    monkeypatch.setattr(qint8, "int8_linear_mm", mm)
-
-
-def _weights(count=3, n=512, k=1024):
-    g = torch.Generator().manual_seed(0)
-    return [QuantizedTensor.from_float(torch.randn(n, k, generator=g) * 0.03, PerRow()) for _ in range(count)]
-
-
-def _activation() -> torch.Tensor:
-    """40 tokens of 1024: one call's activation, the same in every test."""
-    return torch.randn(40, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
-
-
-def _converted(w) -> bool:
-    return "int8" in w.__dict__.get("_derived", {})
-
-
 def test_a_model_whose_calls_never_run_int8_converts_only_the_proofs_weight(monkeypatch):
-    _clock(monkeypatch, plain_s=0.01, int8_s=0.5)
+    fake_clock(monkeypatch, plain_s=0.01, int8_s=0.5)
     book = Book()
     cfg = ComputeConfig(book=book)
-    ws = _weights()
-    x = _activation()
+    ws = fp8_weights()
+    x = activation()
     for w in ws:
         assert torch.equal(linear(x, w, None, cfg), linear(x, w, None, ComputeConfig(path="weight_only")))
-    assert [_converted(w) for w in ws] == [True, False, False]
+    assert [converted(w) for w in ws] == [True, False, False]
     assert book.conversions("cpu")["layers"] == 1
 
 
 def test_where_int8_wins_each_weight_converts_at_its_first_call_and_runs_int8(monkeypatch):
-    _clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    fake_clock(monkeypatch, plain_s=0.5, int8_s=0.01)
     book = Book()
-    cfg = ComputeConfig(book=book)
-    ws = _weights()
-    x = _activation()
+    cfg = ComputeConfig(book=book, fp8_form="keep")
+    ws = fp8_weights()
+    x = activation()
     outs = [linear(x, w, None, cfg) for w in ws]
-    assert all(_converted(w) for w in ws)
+    assert all(converted(w) for w in ws)
     for w, y in zip(ws, outs):
         w8 = w.__dict__["_derived"]["int8"][1]
         assert torch.equal(y, qint8.int8_linear(x, w8, None, torch.bfloat16))
     c = book.conversions("cpu")
     assert c["layers"] == 3 and c["parameters"] == 3 * 512 * 1024 and c["min_sqnr_db"] > 35
-    assert any("int8 conversions at first use: 3 layer(s)" in line for line in book.summary_lines("cpu"))
+    assert any("int8 conversions at first use: 3 layer(s)" in line and "3 keep the file's form beside it (+2 MiB)"
+               in line for line in book.summary_lines("cpu"))
     # the file's weight stays: a class where weight-only wins runs it, not the int8 form dequantized
     assert ws[0].qdata.dtype == torch.float8_e4m3fn
 
 
 def test_the_sampled_conversion_sqnr_is_the_full_figure_within_half_a_db():
-    w = _weights(1, n=3072, k=1024)[0]
+    w = fp8_weights(1, n=3072, k=1024)[0]
     w8 = qint8.to_int8(w)
     full, sampled = qint8.conversion_sqnr_db(w, w8), sampled_conversion_sqnr_db(w, w8)
     assert abs(full - sampled) < 0.5, (full, sampled)
 
 
 def test_memory_first_drops_the_fp8_form_once_a_call_runs_int8(monkeypatch):
-    _clock(monkeypatch, plain_s=0.5, int8_s=0.01)
-    x = _activation()
-    kept, dropped = _weights(2), _weights(2)  # the same values twice
-    both = [linear(x, w, None, ComputeConfig(book=Book())) for w in kept]
-    cfg = ComputeConfig(book=Book(), keep_fp8=False)
+    fake_clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    x = activation()
+    kept, dropped = fp8_weights(2), fp8_weights(2)  # the same values twice
+    both = [linear(x, w, None, ComputeConfig(book=Book(), fp8_form="keep")) for w in kept]
+    cfg = ComputeConfig(book=Book(), fp8_form="drop")
     first = [linear(x, w, None, cfg) for w in dropped]
     for w, k, y, y_kept in zip(dropped, kept, first, both):
         assert torch.equal(y, y_kept)  # the call that converts computes what it did with both forms
@@ -126,10 +84,10 @@ def test_memory_first_drops_the_fp8_form_once_a_call_runs_int8(monkeypatch):
 
 
 def test_memory_first_keeps_the_fp8_form_where_weight_only_wins(monkeypatch):
-    _clock(monkeypatch, plain_s=0.01, int8_s=0.5)
-    cfg = ComputeConfig(book=Book(), keep_fp8=False)
-    x = _activation()
-    for w in _weights(2):
+    fake_clock(monkeypatch, plain_s=0.01, int8_s=0.5)
+    cfg = ComputeConfig(book=Book(), fp8_form="drop")
+    x = activation()
+    for w in fp8_weights(2):
         assert torch.equal(linear(x, w, None, cfg), linear(x, w, None, ComputeConfig(path="weight_only")))
         assert w.qdata.dtype == torch.float8_e4m3fn
 
@@ -137,12 +95,12 @@ def test_memory_first_keeps_the_fp8_form_where_weight_only_wins(monkeypatch):
 def test_memory_first_converts_proven_weights_in_their_own_storage(monkeypatch):
     """The proof's weight gets a second copy (its FP8 rows are the proof's reference); every later weight of
     the kind is converted where its FP8 codes were: the same bits, the same storage, the same figure."""
-    _clock(monkeypatch, plain_s=0.5, int8_s=0.01)
-    x = _activation()
-    kept, dropped = _weights(3), _weights(3)
-    both = [linear(x, w, None, ComputeConfig(book=Book())) for w in kept]
+    fake_clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    x = activation()
+    kept, dropped = fp8_weights(3), fp8_weights(3)
+    both = [linear(x, w, None, ComputeConfig(book=Book(), fp8_form="keep")) for w in kept]
     book = Book()
-    cfg = ComputeConfig(book=book, keep_fp8=False)
+    cfg = ComputeConfig(book=book, fp8_form="drop")
     ptrs = [w.qdata.data_ptr() for w in dropped]
     first = [linear(x, w, None, cfg) for w in dropped]
     assert [w.qdata.data_ptr() == p for w, p in zip(dropped, ptrs)] == [False, True, True]
@@ -157,10 +115,10 @@ def test_memory_first_converts_proven_weights_in_their_own_storage(monkeypatch):
 
 
 def test_a_failing_int8_kernel_after_an_in_place_conversion_runs_the_int8_form_weight_only(monkeypatch):
-    _clock(monkeypatch, plain_s=0.5, int8_s=0.01)
-    x = _activation()
-    cfg = ComputeConfig(book=Book(), keep_fp8=False)
-    ws = _weights(2)
+    fake_clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    x = activation()
+    cfg = ComputeConfig(book=Book(), fp8_form="drop")
+    ws = fp8_weights(2)
     linear(x, ws[0], None, cfg)  # the proof
     real = qint8.int8_linear_mm
 
@@ -216,8 +174,8 @@ def test_an_in_place_conversion_allocates_a_fraction_of_the_codes():
     """Counted by torch's profiler: the in-place conversion of a second weight (the first made the reused
     buffers) allocates its row scales and the sampled indices, far less than the int8 codes a copying
     conversion allocates (measured too)."""
-    cfg = ComputeConfig(book=Book(), keep_fp8=False)
-    ws = _weights(3, n=1024, k=2048)
+    cfg = ComputeConfig(book=Book(), fp8_form="drop")
+    ws = fp8_weights(3, n=1024, k=2048)
     assert convert_in_place(ws[0], cfg, torch.device("cpu"))
     in_place = bytes_allocated(lambda: convert_in_place(ws[1], cfg, torch.device("cpu")))
     copying = bytes_allocated(lambda: qint8.to_int8(ws[2]))

@@ -16,7 +16,7 @@ from helpers.numerics import sqnr
 def _weight(layout, input_scale=None):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 512, generator=g) * 0.02
-    return QuantizedTensor.from_float(w, layout, input_scale=input_scale, config=ComputeConfig(keep_fp8=False))
+    return QuantizedTensor.from_float(w, layout, input_scale=input_scale, config=ComputeConfig(fp8_form="drop"))
 
 
 @pytest.mark.parametrize("layout", [PerTensor(), PerRow()], ids=["tensor", "row"])

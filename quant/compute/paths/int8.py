@@ -6,8 +6,9 @@ weights, made once per weight on its own device and kept beside it (``int8.to_in
 every weight (the loaders convert at load), under "auto" where the device has fast INT8 and no FP8 units
 (``int8_supported``) for a weight whose kind of call this path was proven right and measured faster on:
 the first weight of a kind is converted for its proof, the others when they first run int8, and a model
-whose calls never run int8 converts nothing. Both forms stay while both serve (the file's form for the
-token classes where weight-only won): about one more byte per parameter of each converted layer. Under
+whose calls never run int8 converts nothing. The file's form stays beside the conversion only while it serves
+(``ComputeConfig.fp8_form``): a weight that already ran weight-only keeps both forms (about one more byte per
+parameter), one whose calls all ran int8 becomes its int8 form in place (``drop_fp8_form``). Under
 "auto" it is a candidate for int8 weights wherever an int8 GEMM runs (``int8_available``; by
 ``int8_fast`` where fast paths are trusted). Its twin: the same int8 operands multiplied in float32. Pure
 torch; never imports ComfyUI.
@@ -33,7 +34,8 @@ from ..book import default_book
 from .base import Path, bias_cols, cached_on_weight, weight_reference
 
 __all__ = ["Int8Path", "INT8", "int8_operand", "int8_takes", "sampled_conversion_sqnr_db", "SQNR_ROWS",
-           "drop_fp8_form", "FP8Form", "dropped_fp8_form", "carry_fp8_form", "in_fp8_form", "convert_in_place"]
+           "drop_fp8_form", "FP8Form", "dropped_fp8_form", "carry_fp8_form", "in_fp8_form", "convert_in_place",
+           "drops_fp8_form", "served_plain", "FP8_SERVED"]
 
 logger = logging.getLogger("fp8_engram.quant.compute.linear")
 
@@ -77,7 +79,7 @@ _UNCONVERTIBLE = object()
 
 @dataclass(frozen=True)
 class FP8Form:
-    """What a weight was before memory first made it int8 in place: its layout, stored dtype and input scale
+    """What a weight was before it was made int8 in place (``drop_fp8_form``): its layout, stored dtype and input scale
     (a few bytes; the FP8 data itself is gone)."""
 
     layout: object
@@ -86,10 +88,28 @@ class FP8Form:
 
 
 _FP8_FORM = DROPPED_FP8_FORM  # where a weight keeps its FP8Form (its __dict__; its copies and moves keep it too)
+FP8_SERVED = "_fp8_served"  # set on a weight (its __dict__) once a call multiplied its FP8 form (weight-only)
+
+
+def served_plain(w) -> None:
+    """Remember that a call of ``w`` ran weight-only on its FP8 form (``linear`` says so, outside compiled graphs):
+    under ``fp8_form="serving"`` its form now serves a kind of call, so a later conversion keeps it."""
+    d = w.__dict__
+    if FP8_SERVED not in d:
+        d[FP8_SERVED] = True
+
+
+def drops_fp8_form(w, cfg) -> bool:
+    """Whether a call of ``w`` that runs int8 under ``cfg`` makes it its int8 form, dropping the FP8 one
+    (``ComputeConfig.fp8_form``, under "auto" only: a forced path keeps what it was given): always under "drop",
+    never under "keep", and under "serving" (the default) where no call has run weight-only on the FP8 form yet
+    (``served_plain``)."""
+    form = cfg.fp8_form
+    return cfg.path == "auto" and (form == "drop" or (form == "serving" and FP8_SERVED not in w.__dict__))
 
 
 def dropped_fp8_form(w) -> FP8Form | None:
-    """The FP8 form ``w`` had before memory first dropped it (``drop_fp8_form``), or None where it never did."""
+    """The FP8 form ``w`` had before it was dropped (``drop_fp8_form``), or None where it never was."""
     return getattr(w, "__dict__", {}).get(_FP8_FORM)
 
 
@@ -113,13 +133,14 @@ def in_fp8_form(w):
 
 
 def drop_fp8_form(w, w8) -> bool:
-    """Memory first (``ComputeConfig.keep_fp8=False``): make the FP8 weight ``w`` the int8 weight ``w8`` it was
+    """Where ``drops_fp8_form`` says so: make the FP8 weight ``w`` the int8 weight ``w8`` it was
     converted to, in place (``qdata``, ``scale``, ``layout``; the logical dtype, shape and config stay), so its
     FP8 data and the cached conversion are one int8 copy instead of two; the weight remembers its FP8 form
     (``dropped_fp8_form``: layout, dtype, input scale) so a saver can write it back in that form. What was
     derived from the old form (the conversion itself, the routes of its kinds of call) is forgotten: later
-    calls are routed, and proven where needed, for the int8 layout. Only where both forms live on the same device (an offloaded weight's
-    per-call copy on a GPU is not the weight). True where it was dropped."""
+    calls are routed for the int8 layout (``linear`` files the int8 kinds the verdicts the FP8 kinds reached).
+    Only where both forms live on the same device (an offloaded weight's per-call copy on a GPU is not the
+    weight). True where it was dropped."""
     if not int8.is_int8(w8) or int8.is_int8(w) or w8.qdata.device != w.qdata.device or w8.qdata.shape != w.qdata.shape:
         return False
     w.__dict__[_FP8_FORM] = FP8Form(w.layout, w.qdata.dtype, w.input_scale)  # what Save FP8 Model writes back
@@ -246,14 +267,14 @@ def _row_blocks(reference, w8, saved: torch.Tensor | None = None):
 
 
 def convert_in_place(w, cfg, device) -> bool:
-    """Memory first (``keep_fp8=False``), for a weight whose calls int8 was already proven on: convert the CPU
+    """Where ``drops_fp8_form`` says so, for a weight whose calls int8 was already proven on: convert the CPU
     FP8 weight ``w`` to int8 in its own storage and make ``w`` that int8 weight (``drop_fp8_form``), instead of
     making a second copy and dropping the first. No memory for the codes, no fresh pages: what a conversion
     costs most on a first step. The conversion SQNR is measured as for any conversion, on the sampled rows'
     FP8 codes saved before they are overwritten. False, with ``w`` untouched, where it cannot be done in place
     (``int8.to_int8_in_place``; another device, a compiled graph, a weight that is int8 already): the caller
     converts it the usual way."""
-    if (cfg.keep_fp8 or cfg.path != "auto" or torch.device(device).type != "cpu" or _fp8_row_access(w) is None
+    if (not drops_fp8_form(w, cfg) or cfg.path != "auto" or torch.device(device).type != "cpu" or _fp8_row_access(w) is None
             or not int8_takes(w, cfg, device)):
         return False
     n, k = w.qdata.shape
