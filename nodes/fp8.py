@@ -188,7 +188,9 @@ def _progress_fn():
 def _read(folder: str, name: str, cfg: ComputeConfig):
     path = folder_paths.get_full_path_or_raise(folder, name)
     try:
-        sd, report = formats.load_file(path, config=cfg, progress=_progress_fn())
+        # the FP8 codes are read in the background while ComfyUI builds the model and the prompt is encoded;
+        # each weight waits for its own at its first use (a read that failed is raised there, naming the file)
+        sd, report = formats.load_file(path, config=cfg, progress=_progress_fn(), defer=True)
     except formats.FormatError as exc:
         raise ValueError(f"{folder}/{name}: {exc}") from exc
     # Layers the file marks "full precision matmul" run weight-only unless the user forces fp8.

@@ -58,7 +58,7 @@ def _plain(t, dtype=None):
 
 @implements(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
-    return args[0]._map_tensors(lambda t: t.detach())
+    return args[0]._map_tensors(lambda t: t.detach(), alias=True)
 
 
 @implements(aten.clone.default)

@@ -63,8 +63,8 @@ from .format_scales import (  # noqa: F401
     infer_bank_layout, infer_layout, nvfp4_by_tensors)
 from .safetensors_file import (  # noqa: F401
     MAX_COMFY_QUANT_BYTES, MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_METADATA_JSON_BYTES, ST_DTYPES, ST_NAMES,
-    SafetensorsHeader, TensorEntry, _err, _FileReader, _is_int, _loads, _MappedReader, _parse_json_metadata, _short,
-    read_header)
+    SafetensorsHeader, TensorEntry, _err, _FileReader, _is_int, _loads, _MappedReader,
+    _parse_json_metadata, _short, read_header)
 
 logger = logging.getLogger(__name__)
 
@@ -466,12 +466,13 @@ ProgressFn = Callable[[int, int], None]
 
 def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = None, config=None,
               progress: ProgressFn | None = None, keys: Iterable[str] | None = None,
-              mmap: bool = False) -> tuple[dict, FormatReport]:
+              mmap: bool = False, defer: bool = False) -> tuple[dict, FormatReport]:
     """Normalized state dict + report. Quantized weights are `QuantizedTensor`s over the file's FP8 bytes.
 
     Tensors are read into memory this process owns (`mmap=False`), so nothing depends on the file once
     this returns: replacing or truncating it later cannot crash the process. `mmap=True` maps them
-    instead (read lazily, no private copy), for callers that know the file stays as it is.
+    instead (read lazily, no private copy), for callers that know the file stays as it is. `defer=True` reads
+    FP8 layers' codes after this returns (``safetensors_file.DeferredReads``: each weight waits for its own).
     `config` (a ComputeConfig or None) is attached to every quantized weight; a scale that would
     overflow its compute dtype (float32's range when it has none) is refused. `progress(done, total)`
     is called per tensor; it may raise to cancel. `keys`, when given, limits the tensors returned.
@@ -483,7 +484,7 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
         hdr = read_header(path)
         rd = _MappedReader(path, device)
     else:
-        rd = _FileReader(path, device)
+        rd = _FileReader(path, device, defer=defer)
         hdr = None
     try:
         if hdr is None:
@@ -498,23 +499,24 @@ def load_file(path, *, device: str = "cpu", orig_dtype: torch.dtype | None = Non
                 pass
             elif key in det.layers:
                 info = det.layers[key]
-                qdata = rd.get(key)
+                layout = make_layout(info)
+                qdata, fill = rd.later(key) if info.decode is None and layout.family == "fp8" else (rd.get(key), None)
                 if info.decode is not None:
                     qdata = info.decode(qdata)
-                layout = make_layout(info)
                 try:
                     qt = QuantizedTensor.from_parts(qdata, det.scales[key].to(qdata.device), layout,
                                                     orig_dtype=det.orig_dtype, input_scale=det.input_scales.get(key),
                                                     config=config)
                 except QuantizationError as exc:
                     raise _err(path, key, f"cannot build the quantized weight ({exc})") from exc
-                out[key] = qt
+                out[key] = qt if fill is None else qt.defer_codes(*fill)
             else:
                 out[key] = rd.get(key)
             if progress is not None:
                 progress(i + 1, total)
+        rd.start_later()
     finally:
-        rd.close()
+        rd.close()  # (a load that failed: its reads never start, and nothing returned waits for them)
     _fold_unsigned_shifts(out, det, None if keys is None else set(wanted))
     return out, det.report
 

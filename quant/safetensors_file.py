@@ -7,14 +7,18 @@ Every bound on what a file may make the reader parse or allocate is here; anythi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import FormatError
+
+logger = logging.getLogger(__name__)
 
 # safetensors dtype strings -> torch dtypes (the ones a checkpoint can hold)
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -218,13 +222,32 @@ class _FileReader:
     Nothing stays mapped to the file: a model file that is replaced, rewritten or truncated while the
     model is in use (a download tool rewriting it in place) cannot take the process down with SIGBUS
     on a mapped page, as a memory-mapped tensor would at its next use. Everything is read through one
-    open file, the one the header was read from; `close()` when done."""
+    open file, the one the header was read from; `close()` when done. With ``defer`` (CPU tensors, where the
+    platform has positioned reads) ``later`` leaves a tensor to ``DeferredReads``, started by ``start_later``."""
 
-    def __init__(self, path: str, device: str = "cpu", header: SafetensorsHeader | None = None):
+    def __init__(self, path: str, device: str = "cpu", header: SafetensorsHeader | None = None, defer: bool = False):
         self.path = path
         self.device = device
         self.header = header
         self._file = None
+        self._reads = None
+        self._defer = defer and DEFERRED_READS and torch.device(device).type == "cpu"
+
+    def later(self, key: str):
+        """``(tensor, (reads, fill))``: ``key``'s tensor, allocated, its bytes read after ``start_later`` (the
+        caller marks its weight: ``QuantizedTensor.defer_codes``); ``(tensor, None)``, read now, without defer."""
+        if not self._defer:
+            return self.get(key), None
+        if self._reads is None:
+            self._reads = DeferredReads(self.path, self.open(), self.header)
+        t, fill = self._reads.add(key, self.header.tensors[key])
+        return t, (self._reads, fill)
+
+    def start_later(self) -> None:
+        """Start reading what ``later`` left, in the background; the reads own the open file from now on."""
+        if self._reads is not None:
+            self._file, reads, self._reads = None, self._reads, None
+            reads.start()
 
     def open(self):
         if self._file is None:
@@ -263,6 +286,127 @@ class _FileReader:
         return t if self.device == "cpu" else t.to(self.device)
 
 
+DEFERRED_READS = hasattr(os, "preadv")  # positioned reads into a buffer (not on Windows: everything is read at load)
+
+
+class _Fill:
+    """One tensor's bytes still to be read into ``buffer`` (uint8, allocated, not yet written)."""
+
+    __slots__ = ("key", "offset", "nbytes", "buffer", "claimed", "done", "error")
+
+    def __init__(self, key: str, offset: int, nbytes: int, buffer: torch.Tensor):
+        self.key, self.offset, self.nbytes, self.buffer = key, offset, nbytes, buffer
+        self.claimed = False  # a thread reads it (under DeferredReads._lock)
+        self.done = threading.Event()
+        self.error: FormatError | None = None
+
+
+class DeferredReads:
+    """Tensors of one open file read after the load returned: by a background thread in file order, or by the
+    first thread that needs one before the thread reached it (``wait``), with ordinary reads into memory this
+    process owns, as ``_FileReader`` reads (nothing is mapped: a file truncated or rewritten later cannot crash
+    the process). The load then costs what parsing the header and allocating cost, and the reads (the fresh
+    pages they fault in) overlap what runs next: building the model, encoding the prompt, the first layers.
+
+    Reads go through the file object the header was read from (a file renamed over it meanwhile is not read);
+    each read is followed by a look at the file's size and modification time: a file truncated or rewritten in
+    place while its tensors are read fails that tensor and every later one with a ``FormatError`` naming the
+    file and the key, raised where the tensor is first used. The file is closed once every tensor is read."""
+
+    def __init__(self, path: str, file, header: SafetensorsHeader):
+        self.path, self._file, self._header = path, file, header
+        st = os.fstat(file.fileno())
+        self._stat = (st.st_size, st.st_mtime_ns)
+        self._lock = threading.Lock()
+        self._fills: list[_Fill] = []
+        self._left = 0
+        self._failed: FormatError | None = None
+        self._thread: threading.Thread | None = None
+
+    def add(self, key: str, entry: TensorEntry) -> tuple[torch.Tensor, _Fill]:
+        """A buffer for ``entry``'s tensor (its dtype and shape; bytes not read yet) and the fill that reads it."""
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        fill = _Fill(key, self._header.data_start + entry.start, entry.nbytes, buf)
+        self._fills.append(fill)
+        self._left += 1
+        return buf.view(entry.dtype).reshape(entry.shape), fill
+
+    def start(self) -> None:
+        """Start the background thread (no tensor added after this); closes the file at once when none was."""
+        if not self._fills:
+            self._close()
+            return
+        self._thread = threading.Thread(target=self._run, name="fp8-engram-reads", daemon=True)
+        self._thread.start()
+
+    def wait(self, fill: _Fill) -> None:
+        """Return once ``fill``'s bytes are in its buffer (reading them now where no thread has started them);
+        raises its read's FormatError."""
+        if not fill.done.is_set():
+            if self._claim(fill):
+                self._read(fill)
+            fill.done.wait()
+        if fill.error is not None:
+            raise fill.error
+
+    def _claim(self, fill: _Fill) -> bool:
+        with self._lock:
+            if fill.claimed:
+                return False
+            fill.claimed = True
+            return True
+
+    def _run(self) -> None:
+        for fill in self._fills:
+            if self._claim(fill):
+                self._read(fill)
+        self._fills = []
+
+    def _read(self, fill: _Fill) -> None:
+        try:
+            if self._failed is not None:
+                raise self._failed
+            self._read_into(fill)
+        except FormatError as exc:
+            fill.error = exc if exc.args[0].startswith(f"{self.path}, key '{fill.key}'") else _err(
+                self.path, fill.key, f"not read: {exc}")
+        except Exception as exc:  # noqa: BLE001 - an I/O or memory error while reading is this tensor's error
+            fill.error = _err(self.path, fill.key, f"reading this tensor failed ({type(exc).__name__}: {exc})")
+        finally:
+            fill.buffer = None
+            fill.done.set()
+            with self._lock:
+                self._left -= 1
+                last = self._left == 0
+            if last:
+                self._close()
+
+    def _read_into(self, fill: _Fill) -> None:
+        fd = self._file.fileno()
+        view = memoryview(fill.buffer.numpy()).cast("B")
+        done = 0
+        try:
+            while done < fill.nbytes:
+                n = os.preadv(fd, [view[done:]], fill.offset + done)
+                if not n:
+                    break
+                done += n
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise _err(self.path, fill.key, f"reading this tensor failed ({exc})") from exc
+        if done < fill.nbytes or (st.st_size, st.st_mtime_ns) != self._stat:
+            self._failed = _err(self.path, fill.key, "the file was truncated or rewritten in place while its tensors "
+                                "were being read (its size or modification time changed)",
+                                "a model file left as it is while it loads")
+            raise self._failed
+
+    def _close(self) -> None:
+        try:
+            self._file.close()
+        except OSError as exc:
+            logger.debug("closing %s: %s", self.path, exc)
+
+
 class _MappedReader:
     """Opens the file with safetensors (memory-mapped) on first use; wraps its errors with the path.
 
@@ -287,6 +431,12 @@ class _MappedReader:
         except Exception as exc:  # safetensors raises its own error types
             raise _err(self.path, key, f"safetensors could not read this tensor ({exc})",
                        "a complete, valid safetensors file") from exc
+
+    def later(self, key: str):
+        return self.get(key), None  # mapped: read when first touched anyway
+
+    def start_later(self) -> None:
+        pass
 
     def close(self) -> None:
         self._handle = None  # the mapping lives as long as the tensors made from it

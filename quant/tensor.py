@@ -43,6 +43,8 @@ _TENSOR_FIELDS = ("qdata", "scale", "input_scale")  # input_scale may be None
 # where a weight that memory first made int8 in place keeps its former FP8 form (compute/paths/int8.py)
 DROPPED_FP8_FORM = "_dropped_fp8_form"
 _META_FIELDS = ("layout", "orig_dtype", "config", "transposed")
+# where a weight whose codes are still being read keeps (reads, fill, codes) until its first use (``_Codes``)
+PENDING_CODES = "_pending_codes"
 _ORIG_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Filled by dispatch.py: aten overload -> handler(func, args, kwargs); callable -> handler(args, kwargs)
@@ -63,12 +65,34 @@ def _code_fingerprint() -> str:
     return source_digest(Path(__file__).resolve().parent)
 
 
+class _Codes:
+    """``QuantizedTensor.qdata`` of a weight whose codes are still being read (``defer_codes``). A non-data
+    descriptor: a weight with its codes in its own ``__dict__`` (every weight once they are read) never meets
+    it; a pending one waits here for its read at its first use of them, whatever the use (an op, a move, a
+    pickle, torch.compile), takes the read's error if it failed, and keeps the codes from then on."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        d = obj.__dict__
+        pending = d.get(PENDING_CODES)
+        if pending is None:
+            raise AttributeError("qdata")
+        reads, fill, codes = pending
+        reads.wait(fill)
+        d["qdata"] = codes
+        d.pop(PENDING_CODES, None)
+        return codes
+
+
 class QuantizedTensor(torch.Tensor):
     """FP8 data + layout scales, reporting the logical dtype and shape. See module docstring.
 
     Build with :meth:`from_float` (quantize) or :meth:`from_parts` (validated existing data);
     the constructor itself does not validate and is for internal use.
     """
+
+    qdata = _Codes()
 
     @staticmethod
     def __new__(cls, qdata, scale, layout, orig_dtype, input_scale=None, config=None,
@@ -107,13 +131,34 @@ class QuantizedTensor(torch.Tensor):
     # real footprint (ComfyUI computes sizes as nelement() * element_size() and pins tensors
     # named "QuantizedTensor" through data_ptr()).
     def element_size(self) -> int:
-        return self.qdata.element_size()
+        return self._raw_codes().element_size()
 
     def data_ptr(self) -> int:
         return self.qdata.data_ptr()
 
     def is_contiguous(self, memory_format=torch.contiguous_format) -> bool:
-        return self.qdata.is_contiguous(memory_format=memory_format)
+        return self._raw_codes().is_contiguous(memory_format=memory_format)
+
+    # -- codes still being read -------------------------------------------------------------------------
+
+    def defer_codes(self, reads, fill) -> "QuantizedTensor":
+        """Mark this weight's codes (its ``qdata``, allocated, not yet written) as being read by ``reads``
+        (``safetensors_file.DeferredReads``) as ``fill``: any use of ``qdata`` waits for that read first. Views,
+        detached copies and config changes of the weight (``nn.Parameter``, ``with_config``) wait with it
+        without reading. Returns self."""
+        d = self.__dict__
+        d[PENDING_CODES] = (reads, fill, d.pop("qdata"))
+        return self
+
+    def codes_pending(self) -> bool:
+        """Whether this weight's codes are still to be waited for (``defer_codes``)."""
+        return PENDING_CODES in self.__dict__
+
+    def _raw_codes(self) -> torch.Tensor:
+        """``qdata`` as a tensor object without waiting for its bytes (its shape, dtype, strides and device are
+        known before they are read)."""
+        pending = self.__dict__.get(PENDING_CODES)
+        return self.__dict__["qdata"] if pending is None else pending[2]
 
     # -- construction --------------------------------------------------------------------------
 
@@ -188,15 +233,18 @@ class QuantizedTensor(torch.Tensor):
 
     # -- the fields, declared once ---------------------------------------------------------------
 
-    def _fields(self) -> dict:
+    def _fields(self, raw: bool = False) -> dict:
+        """The fields; with ``raw`` the codes as they are (``_raw_codes``: not waited for)."""
         return {
-            "qdata": self.qdata, "scale": self.scale, "input_scale": self.input_scale,
+            "qdata": self._raw_codes() if raw else self.qdata, "scale": self.scale, "input_scale": self.input_scale,
             "layout": self._qlayout, "orig_dtype": self.orig_dtype, "config": self.config,
             "transposed": self.transposed,
         }
 
     def _replace(self, **changes) -> "QuantizedTensor":
-        f = self._fields()
+        """A new weight of these fields with ``changes``; one that keeps the codes of a weight still being read
+        waits with it (``defer_codes``) instead of waiting now."""
+        f = self._fields(raw=True)
         f.update(changes)
         args = (f["qdata"], f["scale"], f["layout"], f["orig_dtype"], f["input_scale"],
                 f["config"], f["transposed"])
@@ -208,6 +256,9 @@ class QuantizedTensor(torch.Tensor):
                 out = QuantizedTensor(*args)
         else:
             out = QuantizedTensor(*args)
+        pending = self.__dict__.get(PENDING_CODES)
+        if pending is not None and "qdata" not in changes:
+            out.defer_codes(pending[0], pending[1])
         form = self.__dict__.get(DROPPED_FP8_FORM)
         if form is not None and "layout" not in changes:
             # the same weight (a detached copy, a move, another config: what torch's Module.to and
@@ -215,13 +266,19 @@ class QuantizedTensor(torch.Tensor):
             out.__dict__[DROPPED_FP8_FORM] = form
         return out
 
-    def _map_tensors(self, fn) -> "QuantizedTensor":
-        """New QuantizedTensor with ``fn`` applied to every inner tensor (clone, detach, moves)."""
+    def _map_tensors(self, fn, alias: bool = False) -> "QuantizedTensor":
+        """New QuantizedTensor with ``fn`` applied to every inner tensor (clone, detach, moves). ``alias``: ``fn``
+        makes a view that reads no bytes (detach, alias), so codes still being read are not waited for: the new
+        weight waits for the same read."""
+        pending = self.__dict__.get(PENDING_CODES) if alias else None
         changes = {}
         for name in _TENSOR_FIELDS:
-            t = getattr(self, name)
+            t = pending[2] if name == "qdata" and pending is not None else getattr(self, name)
             changes[name] = None if t is None else fn(t)
-        return self._replace(**changes)
+        out = self._replace(**changes)
+        if pending is not None:
+            out.defer_codes(pending[0], pending[1])
+        return out
 
     def __tensor_flatten__(self):
         names = [n for n in _TENSOR_FIELDS if getattr(self, n) is not None]
