@@ -23,13 +23,11 @@ calls all ran int8 becomes int8 in place); `pack_memory_first` always drops it (
 
 Prints a table and, as the last line, one JSON object {"bench": "load", ...}.
 
-Measured (2-core CPU, hidden 1536 = 1.92 GiB file, 2 interleaved runs each, load average ~1.6):
-first-step ratio 0.50, second-step ratio 0.57 (CPU-time ratio 0.53), pack peak RSS above baseline
-1.11 x file (stock 1.10); the pack's second step takes ~0 page faults where stock takes 1.5 M.
-With reading instead of mapping (same machine under a load average of 15-18, so slow and noisy):
-first-step ratio 0.87, second-step ratio 0.55 (CPU 0.60), pack peak RSS 1.095 x file (stock 1.099,
-pack_mmap 1.108); read vs mmap: first step 1.30x (load 21.6 s vs 3.0 s: the reads happen up front,
-the mapped pages were faulted in during the first step), second step 1.13x, peak RSS 0.99x.
+Measured (2-core AMX CPU in a VM, hidden 1536 = 1.92 GiB file, one run per loader, twice, machine quiet):
+pack (auto: the codes read in the background, layers that run int8 converted in place) load 0.35 s vs stock
+0.19-0.28 s, first step 6.24-6.37 s vs 6.52-6.54 s (ratio 0.96-0.97), second step 0.43 s vs 6.32-6.35 s
+(0.07), peak RSS above baseline 1.146 x file (stock 1.12-1.13); pack_weight_only first step 3.0 s, 1.10 x;
+pack_both_forms (what auto did before) first step 15.9-16.6 s at 2.12-2.15 x the file.
 The shared CPU makes wall times swing 2-5x when other jobs run: compare the CPU-time ratio too.
 
 `1st minflt` counts the minor page faults of the load and first step: each is a page of fresh memory (or a
@@ -37,10 +35,10 @@ mapped page of the file, for stock and pack_mmap). Fresh pages are what owned me
 machine whose host backs guest memory on first touch they cost tens of microseconds each (this bench's
 2-core VM: 2 GiB of fresh pages took 1.6-8.7 s to touch, varying with what ran before), so on such machines
 the columns that allocate (pack's read, auto's int8 copies) swing with the host, while stock's mapped page
-cache does not. Memory first converts a proven layer in its FP8 form's own storage, so its conversions fault in
-almost nothing (36k more first-step faults than weight-only's 552k; auto, keeping both forms, 517k more: one fresh
-byte per converted parameter): on that VM its first step fell from 27.0 s to 7.9-21.5 s (10.1 s in a run where
-weight-only took 5.9 s and auto 32.7 s, 20.8 s of it converting), at 1.16-1.18x the file's RSS.
+cache does not. Auto and memory first convert a proven layer in its FP8 form's own storage, so their conversions
+fault in almost nothing (37k more first-step faults than weight-only's 553k; pack_both_forms 514-522k more: one
+fresh byte per converted parameter). Reads into owned memory made before the load returned cost it 3-27 s on that VM
+(the same 2 GiB of fresh pages); in the background they overlap ComfyUI building the model and the first layers.
 """
 
 from __future__ import annotations
