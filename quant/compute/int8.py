@@ -152,12 +152,15 @@ def to_int8_in_place(w: QuantizedTensor, rotation: int | None = None, *, config=
 
 def _codes_unshared(w: QuantizedTensor) -> bool:
     """Whether ``w`` alone reads its codes: no other weight holds its ``qdata`` tensor (``with_config`` and
-    ``_replace`` share it: Python's reference count of it is ``w``'s and the one asking here), and no other tensor
-    views its storage (torch's use count of the storage: ``qdata``'s and the storage object asked). False where
-    this torch cannot tell: bytes another tensor may read are never rewritten."""
+    ``_replace`` share it: Python's reference count of it is that of an object held by one dict and one local,
+    measured beside it, so the interpreter's own counting rules cancel out), and no other tensor views its
+    storage (torch's use count of the storage: ``qdata``'s and the storage object asked). False where this
+    torch cannot tell: bytes another tensor may read are never rewritten."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     codes = w.__dict__.get("qdata")
-    if count is None or codes is None or sys.getrefcount(codes) > 3:  # w's, ``codes``, getrefcount's argument
+    probe = {"qdata": object()}
+    alone = probe["qdata"]
+    if count is None or codes is None or sys.getrefcount(codes) > sys.getrefcount(alone):
         return False
     storage = codes.untyped_storage()
     return count(storage._cdata) <= 2
