@@ -15,9 +15,9 @@ from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedT
 from fp8_engram.quant.kernels import weight_only_gemm
 from fp8_engram.quant.quantize_model import sqnr_db
 
-lin = importlib.import_module("fp8_engram.quant.compute.linear")
 
 sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
+fp8_path = importlib.import_module("fp8_engram.quant.compute.paths.fp8")
 
 SHAPES = [  # (name, tokens, in, out)
     ("flux-qkv", 4608, 3072, 9216),
@@ -91,7 +91,7 @@ def bench_shape(name, tokens, in_f, out_f, rounds, inner, notes):
     wo = qt.with_config(ComputeConfig(path="weight_only"))
     api = sm.scaled_mm_api(x.device)
     xq, sa = kernels.quantize_rows(x)
-    sb = lin._row_weight_scale(qt)
+    sb = fp8_path.row_weight_scale(qt)
     fns = {
         "bf16 F.linear": lambda: F.linear(x, w, b),
         "scaled_mm floor": lambda: sm.SCALED_MM_APIS[api](xq, qt.qdata.t(), sa, sb, b,

@@ -341,7 +341,7 @@ def _ipc_shards(group: dist.ProcessGroup, num_bytes: int, device: torch.device,
             mapping.permit_release()
         still = [int(r in opened and not opened[r].released) for r in range(num_ranks)]
         held.update(r for r in range(num_ranks) if still[r])
-        agreed = num_ranks == 1
+        agreed, reports = num_ranks == 1, []  # one rank: nobody else to ask, nobody else maps it
         if not agreed:
             try:
                 reports = all_gather_int64(group, still, coll, TEARDOWN_TIMEOUT)

@@ -56,14 +56,14 @@ Example = Sequence[LayerExample]  # one prompt: its layers
 def _project_out(rows: torch.Tensor, width: int, projection: torch.Tensor | None) -> torch.Tensor:
     """Stream values of summed rows [..., hidden] (the `P` of the module docstring)."""
     if projection is not None:
-        return rows @ projection.to(rows.dtype)
+        return rows @ projection.to(device=rows.device, dtype=rows.dtype)
     return rows[..., :width]
 
 
 def _project_back(delta: torch.Tensor, hidden: int, projection: torch.Tensor | None) -> torch.Tensor:
     """Minimum-norm rows [..., hidden] whose projection is closest to `delta` [..., width]."""
     if projection is not None:
-        return delta @ torch.linalg.pinv(projection.to(delta.dtype))
+        return delta @ torch.linalg.pinv(projection.to(device=delta.device, dtype=delta.dtype))
     out = torch.zeros(*delta.shape[:-1], hidden, dtype=delta.dtype)
     out[..., : delta.shape[-1]] = delta
     return out
@@ -98,9 +98,10 @@ def closed_form_write(store: RowStore, examples: Sequence[LayerExample]) -> dict
         if len(projections) != 1:
             raise ValueError(f"layer {layer}: examples disagree on the projection")
         projection = exs[0].projection
-        delta = torch.cat([(ex.target.double() - ex.base.double()) for ex in exs])
+        # the solve runs on the CPU in float64, whichever device the store and the conditioning live on
+        delta = torch.cat([(ex.target.double().cpu() - ex.base.double().cpu()) for ex in exs])
         width = delta.shape[1]
-        current = store.read_rows(layer, rows).double()
+        current = store.read_rows(layer, rows).double().cpu()
         residual = delta - a @ _project_out(current, width, projection)
         a, residual = a[keep], residual[keep]
         change = torch.linalg.pinv(a) @ _project_back(residual, store.hidden, projection)

@@ -91,7 +91,8 @@ def _real_tensors():
 
 def scaled_mm_api(device) -> str | None:
     """Name of the first scaled-matmul API with a kernel for ``device`` in this torch
-    (``torch._scaled_mm`` first: it takes every scaling the pack uses on torch 2.5 to 2.14;
+    (``torch._scaled_mm`` first: on CUDA it takes every scaling the pack uses on torch 2.5 to 2.14, on the CPU
+    torch 2.11 takes one scale per operand only, so a per-row call raises and runs weight-only;
     ``F.scaled_mm`` exists from 2.10 but e.g. 2.11 has no CPU kernel for it), or None."""
     hit = _api_for.get(device, _MISSING)  # fast path: a tensor's own device object
     if hit is not _MISSING:

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fp8_engram.quant import MXFP8, Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, layouts
 from fp8_engram.quant import runtime
+from fp8_engram.quant.compute import Book
 from fp8_engram.quant.kernels import ops as custom_ops
 from fp8_engram.quant import linear as quant_linear
 from fp8_engram.quant.runtime import reset_log_once
@@ -292,7 +293,8 @@ def test_entry_points_are_the_kernels_in_eager_mode():
 @pytest.mark.parametrize("path", ["auto", "weight_only"])
 def test_cuda_fullgraph_keeps_the_fused_kernels(layout, path, fresh_graphs):
     dev = torch.device("cuda")
-    model = Chain(LAYOUTS[layout], ComputeConfig(path=path), device=dev)
+    # a book that proves every size: these layers are under prove.SMALL_MACS, which "auto" runs plain by rule
+    model = Chain(LAYOUTS[layout], ComputeConfig(path=path, book=Book(every_size=True)), device=dev)
     x = _input(dev)
     with torch.inference_mode():
         ref = model.reference(x)

@@ -56,6 +56,23 @@ def test_closed_form_write_reaches_target_despite_collisions():
     assert changed and changed <= touched
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a store on it)")
+def test_closed_form_write_into_a_cuda_store_writes_what_a_cpu_store_gets():
+    """ComfyUI's conditioning is on the CPU, a store may live on a GPU: the solve runs on the CPU either way."""
+    config, vocabs = make_config(family_layout("sd1", widths={"clip_l": WIDTH}), {"l": VOCAB}, heads=2,
+                                 rows_per_head=64, seed=3)
+    tokens = comfy_tokens([10, 11, 12, 13, 14])
+    torch.manual_seed(0)
+    base, target = torch.randn(1, 77, WIDTH), torch.randn(1, 77, WIDTH)
+    tables = []
+    for device in ("cpu", "cuda"):
+        store = LocalRowStore(config.rows_per_layer(1), config.hidden, torch.bfloat16, device=device)
+        EngramMemory(config, store, vocabs).memorize(tokens, base, target)
+        tables.append(store.tables[0].cpu())
+    assert tables[0].abs().sum() > 0 and torch.equal(tables[0], tables[1])
+
+
 def test_closed_form_write_is_min_norm_change():
     store = LocalRowStore([50], 4, torch.bfloat16)
     store.write_rows(0, torch.arange(50), torch.randn(50, 4))

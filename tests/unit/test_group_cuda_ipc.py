@@ -328,6 +328,13 @@ def test_ranks_unmap_their_peers_before_owners_free(fake_driver, tmp_path):
     assert results[0]["held_by"] == [] and results[0]["held_peers"] == []
 
 
+def test_one_rank_frees_its_own_shard_at_release(fake_driver, tmp_path):
+    """One rank (a single-GPU machine): nobody to agree with and nobody mapping its shard, so it frees it."""
+    row = _run_ranks(RANK_SCRIPT, cuda_ipc._LIBRARY, str(tmp_path / "store"), 1)[0]
+    assert row["seen"] == [1] and row["live_after_release"] == 0 and row["live_at_end"] == 0, row
+    assert row["held_by"] == [] and row["held_peers"] == [] and not [m for m in row["log"] if "failed" in m], row
+
+
 BUFFER_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
