@@ -52,6 +52,13 @@ def pytest_collection_modifyitems(config, items):
         parts = Path(str(item.fspath)).relative_to(ROOT).parts
         if len(parts) > 1 and parts[0] == "tests" and parts[1] in ("unit", "integration", "browser"):
             item.add_marker(getattr(pytest.mark, parts[1]))
+        # a test skipped without a GPU is a "cuda" test, marked or not (bench/gpu_check.sh selects them with -m cuda)
+        if any(_needs_gpu(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
+
+
+def _needs_gpu(reason: str) -> bool:
+    return "CUDA" in reason or "GPU" in reason
 
 
 @pytest.fixture(scope="session")
