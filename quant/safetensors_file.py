@@ -321,7 +321,6 @@ class DeferredReads:
         self._fills: list[_Fill] = []
         self._left = 0
         self._failed: FormatError | None = None
-        self._thread: threading.Thread | None = None
 
     def add(self, key: str, entry: TensorEntry) -> tuple[torch.Tensor, _Fill]:
         """A buffer for ``entry``'s tensor (its dtype and shape; bytes not read yet) and the fill that reads it."""
@@ -336,8 +335,7 @@ class DeferredReads:
         if not self._fills:
             self._close()
             return
-        self._thread = threading.Thread(target=self._run, name="fp8-engram-reads", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="fp8-engram-reads", daemon=True).start()
 
     def wait(self, fill: _Fill) -> None:
         """Return once ``fill``'s bytes are in its buffer (reading them now where no thread has started them);
@@ -364,12 +362,12 @@ class DeferredReads:
 
     def _read(self, fill: _Fill) -> None:
         try:
-            if self._failed is not None:
-                raise self._failed
-            self._read_into(fill)
-        except FormatError as exc:
-            fill.error = exc if exc.args[0].startswith(f"{self.path}, key '{fill.key}'") else _err(
-                self.path, fill.key, f"not read: {exc}")
+            if self._failed is not None:  # an earlier tensor found the file changed: nothing after it is read
+                fill.error = _err(self.path, fill.key, f"not read: {self._failed}")
+            else:
+                self._read_into(fill)
+        except FormatError as exc:  # names this tensor's key
+            fill.error = exc
         except Exception as exc:  # noqa: BLE001 - an I/O or memory error while reading is this tensor's error
             fill.error = _err(self.path, fill.key, f"reading this tensor failed ({type(exc).__name__}: {exc})")
         finally:

@@ -401,17 +401,21 @@ class Book:
         """Count one weight converted at first use (for the int8 path) on ``device``: what it cost and its
         sampled SQNR against the weight it was made from."""
         with self._lock:
-            c = self._conversions.setdefault(stack_facts(device)[0], [0, 0, 0.0, [], 0, 0])
+            c = self._tally(device)
             c[0] += 1
             c[1] += params
             c[2] += seconds
             c[3].append(sqnr_db)
 
+    def _tally(self, device) -> list:
+        """``device``'s conversion counts (``_conversions``), made empty at first (called with the lock held)."""
+        return self._conversions.setdefault(stack_facts(device)[0], [0, 0, 0.0, [], 0, 0])
+
     def dropped_fp8(self, device, params: int) -> None:
         """Count one converted weight on ``device`` that became its int8 form, its FP8 form (``params`` codes of
         one byte) freed (``ComputeConfig.fp8_form``)."""
         with self._lock:
-            c = self._conversions.setdefault(stack_facts(device)[0], [0, 0, 0.0, [], 0, 0])
+            c = self._tally(device)
             c[4] += 1
             c[5] += params
 

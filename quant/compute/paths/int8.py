@@ -274,7 +274,7 @@ def convert_in_place(w, cfg, device) -> bool:
     FP8 codes saved before they are overwritten. False, with ``w`` untouched, where it cannot be done in place
     (``int8.to_int8_in_place``; another device, a compiled graph, a weight that is int8 already): the caller
     converts it the usual way."""
-    if (not drops_fp8_form(w, cfg) or cfg.path != "auto" or torch.device(device).type != "cpu" or _fp8_row_access(w) is None
+    if (not drops_fp8_form(w, cfg) or torch.device(device).type != "cpu" or _fp8_row_access(w) is None
             or not int8_takes(w, cfg, device)):
         return False
     n, k = w.qdata.shape
