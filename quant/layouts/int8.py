@@ -221,9 +221,10 @@ class Int8(LayoutBase):
     def quantize_rows(self, shape, fill, align: int = 1, chunk_elems: int | None = None,
                       out: torch.Tensor | None = None):
         """Per-row round-to-nearest quantization of a CPU weight of ``shape`` that ``fill(i, j, out)`` writes
-        as float32, rows ``i:j`` at a time (``i`` a multiple of ``align``), into ``out``: the same values as
-        :meth:`quantize` on the whole float32 weight, operation for operation per row, in chunks of about
-        ``chunk_elems`` elements (default :func:`quantize_chunk_elems`). Only the int8 result, its scales and
+        as float32, rows ``i:j`` at a time (``i`` a multiple of ``align``), into ``out``: :meth:`quantize` on the
+        whole float32 weight, operation for operation per row, in chunks of about ``chunk_elems`` elements (default
+        :func:`quantize_chunk_elems`). The same chunk size gives the same bits; another may differ in the last bit of
+        a rotated row (the BLAS may take another kernel for the rotation's matmul on fewer rows). Only the int8 result, its scales and
         two chunk-sized float32 buffers are allocated (:func:`quantize_temp_bytes` at the default size), and
         each chunk is rotated, reduced and rounded while it is in cache.
 
