@@ -45,7 +45,7 @@ from ..quant.quantize_model import DEFAULT_KEEP, GRANULARITIES, MAX_KEEP_PATTERN
 from ..quant.quantize_model import keep_patterns as compile_keep_patterns
 from . import CATEGORY, NODE_ID_PREFIX
 from .gpt_oss import lens_options
-from .ops import make_fp8_ops, release_workspace_on_unload
+from .ops import count_widened_size, make_fp8_ops, release_workspace_on_unload
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,14 @@ def _adopt(patcher, header: formats.SafetensorsHeader) -> None:
     if patcher is None:
         return
     setattr(patcher.model, SOURCE_DTYPES_ATTR, {k: e.dtype for k, e in header.tensors.items()})
+    _adopt_patcher(patcher)
+
+
+def _adopt_patcher(patcher) -> None:
+    """Every ModelPatcher a loader returns (diffusion model, text encoders): the workspace release on unload, and
+    its size counted with its kept layers as they will be after their first call."""
     release_workspace_on_unload(patcher)
+    count_widened_size(patcher)
 
 
 def _summary(report: formats.FormatReport, cfg: ComputeConfig, ops=None) -> dict:
@@ -332,7 +339,7 @@ class LoadFP8Checkpoint(io.ComfyNode):
         _check_compute_range(out[0], sd, report, cfg, f"checkpoints/{ckpt_name}")
         _adopt(out[0], header)
         if out[1] is not None:
-            release_workspace_on_unload(out[1].patcher)
+            _adopt_patcher(out[1].patcher)
         return io.NodeOutput(out[0], out[1], out[2], ui={"fp8_summary": [_summary(report, cfg, ops)]})
 
 
@@ -371,7 +378,7 @@ class LoadFP8TextEncoder(io.ComfyNode):
         clip = comfy.sd.load_text_encoder_state_dicts(
             [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
             model_options=options)
-        release_workspace_on_unload(clip.patcher)
+        _adopt_patcher(clip.patcher)
         return io.NodeOutput(clip, ui={"fp8_summary": [_summary(report, cfg, ops)]})
 
 

@@ -86,6 +86,8 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
         fp8_source = source
 
         class Linear(base.Linear):
+            fp8_widen_to = None  # the dtype a kept 16-bit weight is widened to at its first call (CPU)
+
             def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
                 torch.nn.Module.__init__(self)
                 self.in_features = in_features
@@ -130,7 +132,15 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                             w = move_quantized(w, self.factory_device)
                     else:
                         dtype = self.factory_dtype if self.factory_dtype is not None else w.dtype
-                        w = w.to(device=self.factory_device or w.device, dtype=dtype)
+                        device = self.factory_device or w.device
+                        if _widens_later(w, dtype, device):
+                            # a layer the file keeps in 16 bits, for a CPU model computing in float32: held as the
+                            # file has it and widened at its first call (widening every kept layer here was most
+                            # of a load's time, fresh pages for twice the bytes, before anything ran)
+                            w = w.to(device=device)
+                            self.fp8_widen_to = dtype
+                        else:
+                            w = w.to(device=device, dtype=dtype)
                     if tuple(w.shape) != (self.out_features, self.in_features):
                         error_msgs.append(f"size mismatch for {key}: file has {list(w.shape)}, "
                                           f"the model expects {[self.out_features, self.in_features]}")
@@ -151,6 +161,8 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                 if w is None:
                     raise RuntimeError("FP8 Linear has no weight: the state dict did not contain it")
                 if not isinstance(w, QuantizedTensor):
+                    if self.fp8_widen_to is not None:
+                        _widen_at_first_call(self, w, input)
                     return super().forward(input, *args, **kwargs)
                 if len(self.weight_function) > 0 or len(self.bias_function) > 0:
                     # lowvram patches: ComfyUI casts, dequantizes through convert_weight and patches per call
@@ -241,7 +253,15 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                             w = move_quantized(w, self.factory_device)
                     else:
                         dtype = self.factory_dtype if self.factory_dtype is not None else w.dtype
-                        w = w.to(device=self.factory_device or w.device, dtype=dtype)
+                        device = self.factory_device or w.device
+                        if _widens_later(w, dtype, device):
+                            # a layer the file keeps in 16 bits, for a CPU model computing in float32: held as the
+                            # file has it and widened at its first call (widening every kept layer here was most
+                            # of a load's time, fresh pages for twice the bytes, before anything ran)
+                            w = w.to(device=device)
+                            self.fp8_widen_to = dtype
+                        else:
+                            w = w.to(device=device, dtype=dtype)
                     if tuple(w.shape) != want:
                         where = f"{FP8Ops.fp8_source}: " if FP8Ops.fp8_source else ""
                         error_msgs.append(f"{where}size mismatch for {key}: file has {list(w.shape)}, the model "
@@ -315,6 +335,29 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _widens_later(w: torch.Tensor, dtype: torch.dtype, device) -> bool:
+    """Whether a kept (not quantized) weight loading into a model of `dtype` on `device` is held in its file's
+    narrower float dtype until its first call: on the CPU only (ComfyUI sizes a GPU's memory by the loaded
+    weights, so there it is widened at load as before)."""
+    return (w.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
+            and torch.device(device).type == "cpu")
+
+
+def _widen_at_first_call(layer, w: torch.Tensor, input: torch.Tensor) -> None:
+    """Widen `layer`'s kept weight to its model's dtype once, at its first call on the CPU, so later calls
+    pay no cast. The weight stays as it is (cast per call by ComfyUI's manual cast, as stock casts a kept
+    layer) under torch.compile (no module state changes in a graph), with weight patches applied per call
+    (lowvram), or while it is on another device. A weight ComfyUI's patcher patched keeps its patched
+    values: the widened copy is made from the weight the layer holds now, and unpatching puts back the
+    patcher's own backup, which is widened again at its next call."""
+    if torch.compiler.is_compiling() or w.device.type != "cpu" or input.device.type != "cpu":
+        return  # (a weight ComfyUI offloads to the CPU for a GPU's call is cast per call there, as stock does)
+    if len(layer.weight_function) > 0 or len(layer.bias_function) > 0:
+        return
+    if w.dtype != layer.fp8_widen_to:
+        layer.weight = torch.nn.Parameter(w.to(layer.fp8_widen_to), requires_grad=False)
+
+
 def _fp8_keeping_conv(conv_cls):
     """`conv_cls` whose weight stays FP8 when the file holds it FP8 (plain casts of UNets and patch
     embeddings), as stock ComfyUI keeps it when it keeps a file's FP8 weights; the cast to the input's
@@ -373,4 +416,21 @@ def release_workspace_on_unload(patcher) -> None:
     patcher.add_callback_with_key(CallbacksMP.ON_DETACH, _WORKSPACE_CALLBACK_KEY, _release_workspace_on_detach)
 
 
-__all__ = ["make_fp8_ops", "move_quantized", "release_workspace_on_unload"]
+def count_widened_size(patcher) -> int:
+    """Tell ComfyUI's memory planning the size `patcher`'s model will have once its kept 16-bit layers are widened
+    at their first call (``_widen_at_first_call``): the bytes they will add are counted in now (ComfyUI caches a
+    model's size when it is first asked). Returns those bytes."""
+    model = getattr(patcher, "model", None)
+    if not isinstance(model, torch.nn.Module) or not hasattr(patcher, "size"):
+        return 0
+    extra = 0
+    for m in model.modules():
+        target, w = getattr(m, "fp8_widen_to", None), getattr(m, "weight", None)
+        if target is not None and isinstance(w, torch.Tensor) and w.dtype != target:
+            extra += w.numel() * (target.itemsize - w.element_size())
+    if extra:
+        patcher.size = comfy.model_management.module_size(model) + extra
+    return extra
+
+
+__all__ = ["make_fp8_ops", "move_quantized", "release_workspace_on_unload", "count_widened_size"]

@@ -134,6 +134,7 @@ def test_partial_loading_keeps_fp8_weights_and_the_result(e2e_module, tmp_path):
 
     import torch
 
+    import comfy.model_management
     import comfy.sd
     from fp8_engram.nodes.ops import make_fp8_ops
     from fp8_engram.quant import ComputeConfig, QuantizedTensor, formats, save
@@ -163,7 +164,9 @@ def test_partial_loading_keeps_fp8_weights_and_the_result(e2e_module, tmp_path):
         patcher.load(cpu, lowvram_model_memory=0, full_load=True)
         full = patcher.model.apply_model(x, t, c_crossattn=ctx, y=y)
         patcher.unpatch_model(cpu)
-        size = patcher.model_size()
+        # the model as it is now: its kept bf16 layers were widened to float32 by the full load's call (on the CPU;
+        # ComfyUI cached the size it had before; the loader nodes count it in: nodes/ops.py count_widened_size)
+        size = comfy.model_management.module_size(patcher.model)
         patcher.load(cpu, lowvram_model_memory=int(size * 0.6))  # what load_models_gpu does when VRAM is short
         assert patcher.model.model_lowvram, "ComfyUI loaded the whole model: the budget did not bite"
         assert 0 < patcher.loaded_size() < size
