@@ -254,3 +254,51 @@ def test_cpu_pair_tables_equal_the_plain_conversion_for_every_byte_pair(fp8, dty
     # an odd count or a strided view takes torch's conversion
     odd = q.reshape(-1)[:-1]
     assert torch.equal(_bits(fp8_layout.fp8_to(odd, dtype)), _bits(odd.to(dtype)))
+
+
+def _codes(fp8, numel: int, nan: bool) -> torch.Tensor:
+    """`numel` FP8 codes cycling over every byte (e4m3fn's NaN bytes only with `nan`), shuffled."""
+    byte = torch.arange(256, dtype=torch.int32)
+    if fp8 == torch.float8_e4m3fn and not nan:
+        byte = byte[(byte & 0x7F) != 0x7F]
+    codes = byte.repeat(-(-numel // byte.numel()))[:numel].to(torch.uint8)
+    return codes[torch.randperm(numel, generator=torch.Generator().manual_seed(2))].view(fp8)
+
+
+@pytest.mark.parametrize("scale", [None, 0.0123, 1e38, 1e-44, 2.0 ** -149], ids=str)
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+def test_cpu_float32_through_float16_is_the_plain_conversion_bit_for_bit(fp8, scale, monkeypatch):
+    """FP8 -> float32 on the CPU through float16's bits (every code, e5m2's inf and NaN included, subnormals,
+    both zeros; scales down to float32's smallest subnormal and up to where the multiply by 2**8 would overflow,
+    which takes the table): the bits of "convert, then multiply by the float32 scale". Without a NaN code (e4m3fn)
+    no chunk takes the table."""
+    from fp8_engram.quant.layouts import fp8 as fp8_layout
+
+    tabled = []
+    real = fp8_layout._cpu_pairs
+    monkeypatch.setattr(fp8_layout, "_cpu_pairs", lambda q, *a: tabled.append(q.numel()) or real(q, *a))
+    monkeypatch.setattr(fp8_layout, "_HALF_CHUNK_ELEMS", 1 << 15)
+    q = _codes(fp8, 3 * (1 << 15) + 100, nan=False).reshape(-1, 4)  # four chunks, the last one short
+    s = None if scale is None else torch.tensor(scale)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    got = fp8_layout.fp8_to(q, torch.float32, s, out=out)
+    want = q.to(torch.float32) if s is None else q.to(torch.float32).mul_(s)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(_bits(got)[~want.isnan()], _bits(want)[~want.isnan()])
+    overflows = fp8 == torch.float8_e4m3fn and scale == 1e38
+    assert tabled == ([q.numel()] if overflows else [])
+
+
+def test_a_chunk_with_an_e4m3fn_nan_code_takes_the_table_and_keeps_torchs_nan(monkeypatch):
+    from fp8_engram.quant.layouts import fp8 as fp8_layout
+
+    tabled = []
+    real = fp8_layout._cpu_pairs
+    monkeypatch.setattr(fp8_layout, "_cpu_pairs", lambda q, *a: tabled.append(q.numel()) or real(q, *a))
+    monkeypatch.setattr(fp8_layout, "_HALF_CHUNK_ELEMS", 1 << 14)
+    q = _codes(torch.float8_e4m3fn, 3 << 14, nan=False)
+    q.view(torch.uint8)[(1 << 14) + 5] = 0xFF  # a NaN in the second chunk
+    got = fp8_layout.fp8_to(q, torch.float32, torch.tensor(0.5))
+    want = q.to(torch.float32).mul_(0.5)
+    assert tabled == [1 << 14] and int(got.isnan().sum()) == 1 and bool(got[(1 << 14) + 5].isnan())
+    assert torch.equal(_bits(got)[~want.isnan()], _bits(want)[~want.isnan()])
