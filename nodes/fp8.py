@@ -199,7 +199,7 @@ def _read(folder: str, name: str, cfg: ComputeConfig):
         for info in report.layers:
             if info.full_precision_mm and isinstance(sd.get(info.weight_key), QuantizedTensor):
                 sd[info.weight_key] = sd[info.weight_key].with_config(wo)
-    header = formats.read_header(path)
+    header = report.header if report.header is not None else formats.read_header(path)
     metadata = {k: v for k, v in header.metadata.items() if k not in ("_quantization_metadata", "quantization_config")}
     return header, sd, report, metadata or None
 

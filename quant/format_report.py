@@ -88,6 +88,8 @@ class FormatReport:
     layers: list[LayerInfo] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     stock_comfy_readable: bool = True  # whether stock ComfyUI 0.3.75 reads the scales of this file
+    # the header the file was read with (its metadata, every tensor's dtype): a loader needs no second read
+    header: object = field(default=None, repr=False, compare=False)
 
     def summary(self) -> dict:
         """JSON-able summary (what nodes show in the UI)."""
@@ -206,5 +208,5 @@ def _make_report(hdr: SafetensorsHeader, layers: dict[str, LayerInfo], consumed:
         fp8_dtypes=sorted({_DATA_NAMES.get(i.granularity) or _fp8_name(i.fp8_dtype) for i in layers.values()}),
         granularities=grans,
         fp8_matmul_allowed=fp8_mm, layers=sorted(layers.values(), key=lambda i: i.name), notes=notes,
-        stock_comfy_readable=stock,
+        stock_comfy_readable=stock, header=hdr,
     )

@@ -109,6 +109,10 @@ def _check_scale_values(path, key: str, t: torch.Tensor) -> torch.Tensor:
     t = t.to(torch.float32)
     if t.numel() == 0:
         raise _err(path, key, "scale is empty", "at least one element")
+    if t.numel() == 1 and t.device.type == "cpu":  # one value (most files): checked as a number
+        v = float(t.reshape(()))
+        if math.isfinite(v) and v > 0:
+            return t
     bad = ~torch.isfinite(t)
     if bool(bad.any()):
         raise _err(path, key, f"scale holds {int(bad.sum())} non-finite value(s) (NaN or inf)", "finite scales > 0")
@@ -126,7 +130,12 @@ def check_scale_range(path, key: str, scale: torch.Tensor, fp8_dtype: torch.dtyp
     dtype = compute_dtype or torch.float32
     limit = float(torch.finfo(dtype).max)
     fmax = float(torch.finfo(fp8_dtype).max)
-    top = float(scale.detach().abs().max()) if scale.numel() else 0.0
+    if not scale.numel():
+        top = 0.0
+    elif scale.numel() == 1:
+        top = abs(float(scale.detach().reshape(())))
+    else:
+        top = float(scale.detach().abs().max())
     if top * fmax > limit:
         raise _err(path, key, f"scale {top:.4g} times {_fp8_name(fp8_dtype)}'s largest value {fmax:g} is "
                    f"{top * fmax:.4g}, beyond {_fp8_name(dtype)}'s range ({limit:.4g}): the weights would "

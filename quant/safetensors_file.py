@@ -162,13 +162,14 @@ def read_header(path, *, file=None) -> SafetensorsHeader:
                        "one of " + ", ".join(sorted(ST_DTYPES)))
         shape = info.get("shape")
         offsets = info.get("data_offsets")
-        if (not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(s) and 0 <= s <= MAX_DIM for s in shape)
-                or not isinstance(offsets, list) or len(offsets) != 2
-                or not all(_is_int(o) and o >= 0 for o in offsets) or offsets[1] < offsets[0]):
+        # (`type(v) is int`: an int and not a bool; plain loops, as this runs once per tensor of every load)
+        if (type(shape) is not list or len(shape) > MAX_DIMS or type(offsets) is not list or len(offsets) != 2
+                or not _dims_ok(shape) or type(offsets[0]) is not int or type(offsets[1]) is not int
+                or offsets[0] < 0 or offsets[1] < offsets[0]):
             raise _err(path, name, f"malformed shape {_short(shape)} or data_offsets {_short(offsets)}",
                        f"a list of at most {MAX_DIMS} non-negative ints and [begin, end] with begin <= end")
         entry = TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         want = entry.numel * itemsize
         if entry.nbytes != want:
             raise _err(path, name, f"header says shape {list(shape)} of {info['dtype']} ({want} bytes) but its "
@@ -190,6 +191,13 @@ def read_header(path, *, file=None) -> SafetensorsHeader:
         raise _err(path, None, f"{data_size - end} bytes follow the last tensor's data",
                    "a file that ends with the last tensor (safetensors refuses trailing data)")
     return SafetensorsHeader(path, tensors, dict(metadata), data_start, file_size)
+
+
+def _dims_ok(shape: list) -> bool:
+    for d in shape:
+        if type(d) is not int or d < 0 or d > MAX_DIM:
+            return False
+    return True
 
 
 def _is_int(v) -> bool:

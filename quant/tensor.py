@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -420,6 +421,10 @@ def _check_scale(scale, what: str) -> torch.Tensor:
     scale = scale.detach().to(torch.float32)
     if scale.numel() == 0:
         raise QuantizationError(f"{what} is empty")
+    if scale.numel() == 1 and scale.device.type == "cpu":  # one value (most files): checked as a number
+        v = float(scale.reshape(()))
+        if math.isfinite(v) and v > 0:
+            return scale
     finite = torch.isfinite(scale)
     if not bool(finite.all()):
         raise QuantizationError(
