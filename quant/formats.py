@@ -110,9 +110,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     consumed: set[str] = set()
 
     nv_layers = _detect_nvfp4(path, hdr, rd, compute_dtype)  # ComfyUI's NVFP4 layers (own keys and checks)
-    for key in T:
-        if not key.endswith(_UNSUPPORTED_SUFFIXES):
-            continue
+    for key in (k for k in T if k.endswith(_UNSUPPORTED_SUFFIXES)):
         for suf in _UNSUPPORTED_SUFFIXES:
             if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
                 why = nvfp4_by_tensors(T, key[: -len(suf)]) if suf == ".weight_scale_2" else ""
@@ -177,9 +175,7 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     # ---- orphan scales / comfy_quant entries
     weight_keys = {k for k in T if k.endswith(".weight")}
     orphan_suffixes = _SCALE_SUFFIXES + _INPUT_SCALE_SUFFIXES + (".comfy_quant",)
-    for key in T:
-        if not key.endswith(orphan_suffixes):
-            continue
+    for key in (k for k in T if k.endswith(orphan_suffixes)):
         for suf in orphan_suffixes:
             if key.endswith(suf):
                 wk = key[: -len(suf)] + ".weight"
