@@ -253,15 +253,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                             w = move_quantized(w, self.factory_device)
                     else:
                         dtype = self.factory_dtype if self.factory_dtype is not None else w.dtype
-                        device = self.factory_device or w.device
-                        if _widens_later(w, dtype, device):
-                            # a layer the file keeps in 16 bits, for a CPU model computing in float32: held as the
-                            # file has it and widened at its first call (widening every kept layer here was most
-                            # of a load's time, fresh pages for twice the bytes, before anything ran)
-                            w = w.to(device=device)
-                            self.fp8_widen_to = dtype
-                        else:
-                            w = w.to(device=device, dtype=dtype)
+                        w = w.to(device=self.factory_device or w.device, dtype=dtype)
                     if tuple(w.shape) != want:
                         where = f"{FP8Ops.fp8_source}: " if FP8Ops.fp8_source else ""
                         error_msgs.append(f"{where}size mismatch for {key}: file has {list(w.shape)}, the model "
