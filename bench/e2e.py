@@ -53,6 +53,11 @@ memory sits on 2 CPU ranks. What needs a GPU (VRAM figures, offloading, the VRAM
 ranks) is reported as skipped. tests/integration/test_e2e_tiny.py runs it, and checks that the Flux model,
 its T5-XXL and the Flux CLIP this script builds on the GPU are what ComfyUI detects (shapes only).
 
+--cpu-isa avx2 runs the same on a newer CPU as on an AVX2 one, as far as software can: the process starts again
+with torch's kernel dispatch, oneDNN and MKL capped at AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS), so no VNNI or AMX runs and the pack's "auto" does not take int8 (quant/compute/int8.py
+reads oneDNN's cap); caches, clock and memory stay the newer CPU's, and the output says it is an emulation.
+
 Image sizes: --image takes one size or a comma-separated list (default 1024; --tiny 32; --tiny --arch flux
 32,512: about 20 and 1040 tokens, the two ends a CPU user meets). The model files are made once (they do not
 depend on the size); each size then loads and samples its variants again, so load time and first step are
@@ -73,6 +78,7 @@ pack_weight_only's (dB), and the same later-step, first-step and SQNR figures fo
 "ratios" stay the first size's.
 
     python bench/e2e.py [--tiny] [--double 5] [--single 10] [--steps 8] [--image 1024] [--skip-engram] [--keep-dir DIR]
+                        [--cpu-isa avx2]
     python bench/e2e.py --tiny --arch flux --skip-engram   # the Flux path on the CPU at 32 and 512 px (1+1 blocks: minutes)
 
 Prints a table (a row per size and variant) and, as the last line, one JSON object {"bench": "e2e", ...}.
@@ -750,6 +756,10 @@ def default_sizes(tiny: bool, arch: str | None) -> list[int]:
     return [32, 512] if arch == "flux" else [32]
 
 
+# --cpu-isa: the settings each library reads at start (ATen's kernel dispatch, oneDNN, MKL) to stay within an ISA
+CPU_ISA_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="CPU, tiny shapes (what the test suite runs)")
@@ -764,7 +774,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-engram", action="store_true")
     p.add_argument("--arch", choices=("flux", "sd3"), help="diffusion model (default: flux; --tiny: sd3)")
     p.add_argument("--keep-dir", help="make the files here and keep them (default: a temp dir, deleted)")
+    p.add_argument("--cpu-isa", choices=("avx2",), help="emulate an AVX2 CPU on a newer one: the run starts again with "
+                   "torch's kernels, oneDNN and MKL capped at AVX2 (so no VNNI: the pack's int8 is off, as on such a "
+                   "CPU); the processor's own caches, clock and memory stay, so it is an emulation, said so in the output")
     args = p.parse_args(argv)
+    if args.cpu_isa and os.environ.get("FP8_ENGRAM_BENCH_ISA") != args.cpu_isa:
+        env = dict(os.environ, FP8_ENGRAM_BENCH_ISA=args.cpu_isa, **CPU_ISA_CAPS[args.cpu_isa])
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:]), env)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     sizes = args.image or default_sizes(args.tiny, args.arch)
@@ -790,6 +806,7 @@ def main(argv: list[str] | None = None) -> int:
                    "VRAM after unloading (no GPU)", "CUDA engram ranks (CPU ranks used)"]
     vram = Vram(c)
     result: dict = {"bench": "e2e", "mode": "tiny" if args.tiny else "full", "device": str(c.device),
+                    "cpu_isa_emulated": args.cpu_isa,
                     "gpu": torch.cuda.get_device_name(c.device) if c.cuda else None, "torch": torch.__version__,
                     "shape": {"arch": shape.arch, "hidden": HIDDEN if shape.arch == "flux" else 64 * shape.double,
                               "double": shape.double, "single": shape.single,
@@ -1041,7 +1058,9 @@ def print_table(r: dict) -> None:
             f"tiny SD3 MMDiT: hidden {s['hidden']}, {s['double']} joint blocks")
     images = s.get("images") or [s["image"]]
     print(f"{what}, {' and '.join(f'{px}x{px}' for px in images)} ({s['text_tokens']} text tokens beside the image's), "
-          f"{s['steps']} steps; {r['device']} {r['gpu'] or ''}")
+          f"{s['steps']} steps; {r['device']} {r['gpu'] or ''}"
+          + (f" (an {r['cpu_isa_emulated'].upper()} CPU emulated: torch, oneDNN and MKL capped at it)"
+             if r.get("cpu_isa_emulated") else ""))
     sizes = r.get("sizes") or [{"image": s["image"], "tokens": s["image_tokens"] + s["text_tokens"],
                                 "variants": r.get("variants", []), "variants_skipped": [], "ratios": {}}]
     print(f"{'px':>5}{'tokens':>7}  {'variant':<18}{'load s':>8}{'1st step s':>12}{'step s':>9}{'x bf16':>8}{'peak GiB':>10}"

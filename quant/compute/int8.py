@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 
 import torch
@@ -58,10 +59,24 @@ def int8_fast(device) -> bool:
     Turing runs int8 weights weight-only."""
     device = torch.device(device)
     if device.type == "cpu":
+        if _onednn_without_vnni():
+            return False
         cpu = getattr(torch, "cpu", None)
         probes = ("_is_vnni_supported", "_is_amx_tile_supported")
         return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
     return device.type == "cuda" and _capability(device) >= (8, 0)
+
+
+# oneDNN instruction-set caps (its ONEDNN_MAX_CPU_ISA setting) under which its int8 GEMMs, torch._int_mm's on the
+# CPU, have no VNNI or AMX instructions to run, whatever the processor has: int8 is then an AVX2 CPU's slow int8
+_ONEDNN_ISAS_WITHOUT_VNNI = ("SSE41", "AVX", "AVX2", "AVX512_CORE")
+
+
+def _onednn_without_vnni() -> bool:
+    """Whether the process capped oneDNN below its VNNI instructions (a user's setting, or a bench emulating
+    an AVX2 CPU on a newer one: bench/e2e.py --cpu-isa avx2)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", ""))
+    return cap.strip().upper() in _ONEDNN_ISAS_WITHOUT_VNNI
 
 
 def int8_available(device) -> bool:

@@ -175,8 +175,25 @@ def test_auto_picks_int8_on_ampere_not_on_turing_or_fp8_gpus(monkeypatch):
         # int8 weights (ComfyUI's int8 files) run int8 on every GPU with int8 tensor cores
         assert qint8.int8_fast("cuda:0") is (cap >= (8, 0)), cap
     qint8._cuda_ok.clear()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     vnni = torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
     assert qint8.int8_supported("cpu") is bool(vnni)
+
+
+@pytest.mark.parametrize("var, cap, fast", [
+    ("ONEDNN_MAX_CPU_ISA", "AVX2", False), ("ONEDNN_MAX_CPU_ISA", "avx512_core", False),
+    ("DNNL_MAX_CPU_ISA", "AVX2", False), ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI", True),
+    ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX", True), (None, None, True)])
+def test_a_onednn_cap_below_vnni_makes_the_cpu_an_avx2_one(monkeypatch, var, cap, fast):
+    """ONEDNN_MAX_CPU_ISA (oneDNN runs torch._int_mm on the CPU) below its VNNI instructions: no int8 under "auto",
+    whatever the processor reports (here: VNNI); a cap that keeps VNNI, or none, leaves the processor's answer."""
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if var is not None:
+        monkeypatch.setenv(var, cap)
+    assert qint8.int8_fast("cpu") is fast and qint8.int8_supported("cpu") is fast
 
 
 def test_empty_and_odd_inputs():
