@@ -243,7 +243,10 @@ class _FileReader:
 
     def later(self, key: str):
         """``(tensor, (reads, fill))``: ``key``'s tensor, allocated, its bytes read after ``start_later`` (the
-        caller marks its weight: ``QuantizedTensor.defer_codes``); ``(tensor, None)``, read now, without defer."""
+        caller marks its weight: ``QuantizedTensor.defer_codes``); ``(tensor, None)``, read now, without defer or
+        for a file with less tensor data than ``DEFER_MIN_BYTES``."""
+        if self._defer and self.header is not None and self.header.file_size - self.header.data_start < DEFER_MIN_BYTES:
+            self._defer = False
         if not self._defer:
             return self.get(key), None
         if self._reads is None:
@@ -295,6 +298,9 @@ class _FileReader:
 
 
 DEFERRED_READS = hasattr(os, "preadv")  # positioned reads into a buffer (not on Windows: everything is read at load)
+# A file with less tensor data than this is read at load: starting the reading thread costs more than reading it
+# (a 1.1 MB file: 1.64 ms deferred, 1.25 ms read at once, AMD EPYC Zen 5, 2 cores)
+DEFER_MIN_BYTES = 4 << 20
 
 
 class _Fill:

@@ -25,6 +25,12 @@ from helpers import fp8_files
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(autouse=True)
+def defer_small_files(monkeypatch):
+    """These files are small: defer them all the same (a real load reads a file under DEFER_MIN_BYTES at once)."""
+    monkeypatch.setattr(safetensors_file, "DEFER_MIN_BYTES", 0)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return fp8_files.write_all(fp8_files.small_float_sd(4), tmp_path_factory.mktemp("deferred"))
@@ -152,3 +158,11 @@ def test_without_positioned_reads_everything_is_read_at_load(model_file, monkeyp
     monkeypatch.setattr(safetensors_file, "DEFERRED_READS", False)
     sd, _ = formats.load_file(model_file, defer=True)
     assert not any(v.codes_pending() for v in sd.values() if isinstance(v, QuantizedTensor))
+
+
+def test_a_file_under_the_threshold_is_read_at_load(model_file, monkeypatch):
+    monkeypatch.setattr(safetensors_file, "DEFER_MIN_BYTES", os.path.getsize(model_file))
+    sd, _ = formats.load_file(model_file, defer=True)
+    weights = [t for t in sd.values() if isinstance(t, QuantizedTensor)]
+    assert weights and not any(w.codes_pending() for w in weights)
+
