@@ -161,7 +161,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                 if w is None:
                     raise RuntimeError("FP8 Linear has no weight: the state dict did not contain it")
                 if not isinstance(w, QuantizedTensor):
-                    if self.fp8_widen_to is not None:
+                    if self.fp8_widen_to is not None and w.dtype != self.fp8_widen_to:
                         _widen_at_first_call(self, w, input)
                     return super().forward(input, *args, **kwargs)
                 if len(self.weight_function) > 0 or len(self.bias_function) > 0:
@@ -336,8 +336,8 @@ def _widens_later(w: torch.Tensor, dtype: torch.dtype, device) -> bool:
 
 
 def _widen_at_first_call(layer, w: torch.Tensor, input: torch.Tensor) -> None:
-    """Widen `layer`'s kept weight to its model's dtype once, at its first call on the CPU, so later calls
-    pay no cast. The weight stays as it is (cast per call by ComfyUI's manual cast, as stock casts a kept
+    """Widen `layer`'s kept weight (not yet in its model's dtype: the caller checks) once, at its first call on
+    the CPU, so later calls pay no cast. The weight stays as it is (cast per call by ComfyUI's manual cast, as stock casts a kept
     layer) under torch.compile (no module state changes in a graph), with weight patches applied per call
     (lowvram), or while it is on another device. A weight ComfyUI's patcher patched keeps its patched
     values: the widened copy is made from the weight the layer holds now, and unpatching puts back the
@@ -346,8 +346,7 @@ def _widen_at_first_call(layer, w: torch.Tensor, input: torch.Tensor) -> None:
         return  # (a weight ComfyUI offloads to the CPU for a GPU's call is cast per call there, as stock does)
     if len(layer.weight_function) > 0 or len(layer.bias_function) > 0:
         return
-    if w.dtype != layer.fp8_widen_to:
-        layer.weight = torch.nn.Parameter(w.to(layer.fp8_widen_to), requires_grad=False)
+    layer.weight = torch.nn.Parameter(w.to(layer.fp8_widen_to), requires_grad=False)
 
 
 def _fp8_keeping_conv(conv_cls):

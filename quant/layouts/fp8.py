@@ -104,7 +104,7 @@ def _half_route(q: torch.Tensor, scale, out: torch.Tensor | None) -> torch.Tenso
     mult = None if scale is None else scale.to(torch.float32).reshape(())
     if e4m3:
         mult = torch.tensor(256.0) if mult is None else mult * 256.0
-        if not bool(torch.isfinite(mult)):  # a scale past float32's range / 256: multiply twice, still exact
+        if not bool(torch.isfinite(mult)):  # a scale over float32's largest / 256 (none real): the table takes it
             return _cpu_pairs(q, torch.float32, scale, out)
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float32)
