@@ -101,8 +101,10 @@ def _build(x2d, w, bias, cfg: ComputeConfig, cdt, grad: bool, book):
         return _Route(cfg, generation, WEIGHT_ONLY)
     if cfg.trust_fast_paths:
         for name in fast:
-            if REGISTRY[name].trusted(m, device):
-                return _Route(cfg, generation, REGISTRY[name])
+            path = REGISTRY[name]
+            # while tracing, past a path that takes the weight but cannot be traced (its operand: None there)
+            if path.trusted(m, device) and not (tracing() and path.operand(w, cfg, device, cdt) is None):
+                return _Route(cfg, generation, path)
         return _Route(cfg, generation, WEIGHT_ONLY)
     forced = fast[0] if cfg.path in ("fp8", "int8") else ""
     if forced:

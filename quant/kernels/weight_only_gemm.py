@@ -34,6 +34,7 @@ import functools
 from ._triton import (HAS_TRITON, INTERPRET, fp8_bits_to_f32, grouped_tile, jit, jit_unspecialized, round_bf16,
                       tl, triton)
 from .dequant import native_fp8
+from ..runtime import tracing
 
 __all__ = ["weight_only_linear_triton", "supported", "config_for", "SMALL_M_MAX", "CANDIDATES"]
 
@@ -51,8 +52,9 @@ def supported(x2d: torch.Tensor, q: torch.Tensor, block=None) -> bool:
     return (HAS_TRITON and x2d.is_cuda and q.is_cuda and q.dim() == 2
             and x2d.dtype in (torch.bfloat16, torch.float16)
             and q.stride(1) == 1 and q.stride(0) % 16 == 0 and x2d.stride(1) == 1
-            and x2d.stride(0) % 8 == 0 and x2d.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
-            and (block is None or block[1] % BLOCK_COLS_MULTIPLE == 0))
+            and x2d.stride(0) % 8 == 0 and (block is None or block[1] % BLOCK_COLS_MULTIPLE == 0)
+            # a traced tensor has no address: the compiled graph's op asks again when it runs
+            and (tracing() or (x2d.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0)))
 
 
 @jit_unspecialized("M")

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.testing import InductorAndRecordGraphs
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from fp8_engram.quant import MXFP8, Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, layouts
 from fp8_engram.quant import runtime
@@ -113,6 +114,19 @@ def fresh_graphs():
 def _pack_ops(backend) -> set:
     return {str(n.target) for g in backend.inductor_graphs for n in g.graph.nodes
             if str(n.target).startswith(custom_ops.NAMESPACE + ".")}
+
+
+def _timed_fastest(monkeypatch, winner: str) -> None:
+    """A fake clock for the proofs' timing: ``winner`` takes 0.1 s a call, the plain path 1 s, any other 0.5 s.
+    These tests are about what a compiled graph calls once a verdict chose a path, not about which path is
+    faster here: at their sizes a Triton launch may lose to dequantize + cuBLAS, and the plain path then wins
+    the verdict, rightly."""
+    prove = importlib.import_module("fp8_engram.quant.compute.prove")
+
+    def interleaved(fns, device, *args, **kwargs):
+        return {key: 0.1 if key[0] == winner else 1.0 if key[0] == "weight-only" else 0.5 for key in fns}
+
+    monkeypatch.setattr(prove.proof, "time_interleaved", interleaved)
 
 
 def _paths():
@@ -291,26 +305,78 @@ def test_entry_points_are_the_kernels_in_eager_mode():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none here)")
 @pytest.mark.parametrize("layout", ["per_tensor", "per_row", "block128"])
 @pytest.mark.parametrize("path", ["auto", "weight_only"])
-def test_cuda_fullgraph_keeps_the_fused_kernels(layout, path, fresh_graphs):
+def test_cuda_fullgraph_keeps_the_fused_kernels(layout, path, fresh_graphs, monkeypatch):
     dev = torch.device("cuda")
+    fp8 = path == "auto" and sm.fp8_supported(dev) and (
+        layout != "block128" or sm.blockwise_supported(dev))
+    _timed_fastest(monkeypatch, "fp8" if fp8 else "fused weight-only")
     # a book that proves every size: these layers are under prove.SMALL_MACS, which "auto" runs plain by rule
     model = Chain(LAYOUTS[layout], ComputeConfig(path=path, book=Book(every_size=True)), device=dev)
     x = _input(dev)
     with torch.inference_mode():
         ref = model.reference(x)
         eager = model(x)
+        chosen = lin.route_of(x.reshape(-1, SIZES[0]), model.layers[0].weight, model.layers[0].bias)
+        assert chosen == ("fp8" if fp8 else "fused weight-only")  # else its proof failed: see the log
         compiled, backend = _compile(model)
         out = compiled(x)
     # the ops run the same kernels as eager; inductor may only fuse the glue around them
     assert sqnr(ref, out) >= sqnr(ref, eager) - MARGIN_DB
     ops = _pack_ops(backend)
-    fp8 = path == "auto" and sm.fp8_supported(dev) and (
-        layout != "block128" or sm.blockwise_supported(dev))
     if fp8:
         want = "quantize_groups" if layout == "block128" else "quantize_rows"
         assert {f"fp8_engram.{want}.default", "fp8_engram.scaled_mm.default"} <= ops, ops
     else:
         assert "fp8_engram.weight_only_linear.default" in ops, ops
+
+
+@pytest.mark.skipif(not HAS_CPU_SCALED_MM, reason=NO_CPU_SCALED_MM)
+def test_trace_finds_the_verdict_of_a_weight_int8_also_takes(monkeypatch, fresh_graphs):
+    """Where "auto" may convert a weight to int8 (an A100, a VNNI CPU) and a traceable fast path takes it too,
+    eager calls file their verdict under a key naming both; the trace must find that verdict (int8 itself is
+    never traced: a conversion in the graph would run at every call) and keep the chosen path's op.
+    Mocked here: the CPU is told it has FP8 matrix units and fast int8 (so fp8 x fp8, traceable through its
+    custom op, and int8 both take the weight; no CPU has both, and this machine has no GPU)."""
+    monkeypatch.setattr(sm, "fp8_supported", lambda device: True)
+    monkeypatch.setattr(importlib.import_module("fp8_engram.quant.compute.int8"), "int8_supported", lambda device: True)
+    _timed_fastest(monkeypatch, "fp8")
+    reset_log_once()
+    book = Book(every_size=True)
+    model = Chain(PerRow(), ComputeConfig(path="auto", book=book))
+    x = _input()
+    with torch.inference_mode():
+        eager = model(x)
+        x2d = x.reshape(-1, SIZES[0])
+        assert lin.route_of(x2d, model.layers[0].weight, model.layers[0].bias) == "fp8"
+        assert "int8" in next(iter(book._verdicts))[1].paths  # the key names int8 too
+        compiled, backend = _compile(model)
+        out = compiled(x)
+    assert f"{custom_ops.NAMESPACE}.scaled_mm.default" in _pack_ops(backend)
+    assert torch.equal(out, eager)
+
+
+def test_fused_paths_answer_a_trace_without_addresses():
+    """While torch.compile traces, tensors have no address (``data_ptr`` raises): the fused weight-only GEMM's
+    alignment test is left to its op, which asks again when the graph runs; the NVFP4 GEMM, which no op
+    wraps, takes the weight (the verdict's key is the eager one) but gives no operand there (traced plain).
+    Fake CUDA tensors: no GPU here, and none is needed to trace."""
+    from fp8_engram.quant.compute.paths.fused import FUSED_NVFP4
+    from fp8_engram.quant.kernels import weight_only_gemm
+
+    cfg, cuda = ComputeConfig(path="auto"), torch.device("cuda")
+    w4 = QuantizedTensor.from_float(torch.randn(64, 128), layouts.NVFP4(64, 128))
+    assert FUSED_NVFP4.operand(w4, cfg, cuda, torch.bfloat16) is w4
+    answers = []
+
+    def traced(a):  # what the compiler's tracing does: tensors made here are fake, without addresses
+        x = torch.empty(16, 256, dtype=torch.bfloat16, device=cuda)
+        q = torch.empty(128, 256, dtype=torch.float8_e4m3fn, device=cuda)
+        answers.extend([weight_only_gemm.supported(x, q, None), FUSED_NVFP4.takes(w4, cfg, cuda, torch.bfloat16),
+                        FUSED_NVFP4.operand(w4, cfg, cuda, torch.bfloat16)])
+        return a * 2
+
+    make_fx(traced, tracing_mode="fake")(torch.ones(3))
+    assert answers == [weight_only_gemm.HAS_TRITON, True, None]
 
 
 def test_compile_cache_key_is_metadata_only():

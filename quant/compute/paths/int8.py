@@ -52,9 +52,9 @@ def int8_takes(w, cfg, device) -> bool:
         return int8.int8_fast(device) if cfg.trust_fast_paths else int8.int8_available(device)
     if cfg.path == "int8":
         return True
-    # "auto" converts at first use, never inside a compiled graph (the traced weight is a new object each
-    # trace: the conversion would run in the graph at every call); compiled graphs run such weights plain
-    return cfg.path == "auto" and int8.int8_supported(device) and not tracing()
+    # the same answer while torch.compile traces: the paths that take a weight make its verdict's key, and a
+    # trace must find the verdict its eager calls filed (``int8_operand`` declines to convert there)
+    return cfg.path == "auto" and int8.int8_supported(device)
 
 
 def int8_operand(w, cfg, device):
@@ -65,8 +65,11 @@ def int8_operand(w, cfg, device):
         return None
     if int8.is_int8(w):
         return w
-    if tracing():  # forced "int8" (the loaders converted at load; a weight made int8 otherwise is traced so)
-        return int8.to_int8(w, None if cfg.int8_rotation else 0)
+    if tracing():
+        # forced "int8" (the loaders converted at load; a weight made int8 otherwise is traced so). "auto"
+        # converts at first use, never inside a compiled graph (the traced weight is a new object each trace:
+        # the conversion would run in the graph at every call): a call routed int8 is traced plain
+        return int8.to_int8(w, None if cfg.int8_rotation else 0) if cfg.path == "int8" else None
     name = "int8" if cfg.int8_rotation else "int8_unrotated"
     if cfg.path == "auto":  # a weight that cannot be converted runs weight-only, said once
         w8 = cached_on_weight(w, name, lambda: _convert_or_none(w, cfg, device))
@@ -274,7 +277,7 @@ def convert_in_place(w, cfg, device) -> bool:
     FP8 codes saved before they are overwritten. False, with ``w`` untouched, where it cannot be done in place
     (``int8.to_int8_in_place``; another device, a compiled graph, a weight that is int8 already): the caller
     converts it the usual way."""
-    if (not drops_fp8_form(w, cfg) or torch.device(device).type != "cpu" or _fp8_row_access(w) is None
+    if (tracing() or not drops_fp8_form(w, cfg) or torch.device(device).type != "cpu" or _fp8_row_access(w) is None
             or not int8_takes(w, cfg, device)):
         return False
     n, k = w.qdata.shape
