@@ -25,7 +25,9 @@ Variants, one after another in one process (ComfyUI's free-memory step between t
   pack_memory_first Load FP8 Diffusion Model, the FP8 file, compute path "auto (memory first)" (a layer that runs int8
                     drops its FP8 form whatever ran before; on the CPU converted in the FP8 form's own storage)
   pack_weight_only_copies  (CPU only) the same with dequantized_copies_gb 16: each layer dequantized once and kept
-Per variant: time to the first step (from the loader node's call to the end of the first model call),
+Per variant: the load's seconds (the loader node's call; the median of --load-repeats loads, default 1, --tiny 5:
+a tiny model loads in about as long as its noise; each after the pack's background reads of the one before
+ended), time to the first step (from the sampled load's call to the end of the first model call),
 seconds per later step (median), peak VRAM above the starting point (torch.cuda.max_memory_allocated)
 and the process's total (peak reserved by torch's allocator + what the driver reports in use), the
 latent's SQNR against stock_bf16 (float64).
@@ -96,6 +98,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -492,17 +495,45 @@ def conditioning(c: Comfy, shape: Shape):
     return guided
 
 
-def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram):
+def background_reads_done() -> None:
+    """Wait for the pack's background reads of earlier loads (quant/safetensors_file.py DeferredReads) to end."""
+    for thread in threading.enumerate():
+        if thread.name == "fp8-engram-reads":
+            thread.join()
+
+
+def extra_loads(c: Comfy, load, n: int) -> list[float]:
+    """Seconds of ``n`` loads whose model is dropped at once: each after ComfyUI's free memory and after the
+    pack's background reads of the load before it ended, so that no load shares the CPU with another's."""
+    seconds = []
+    for _ in range(n):
+        c.free()
+        background_reads_done()
+        t0 = time.perf_counter()
+        model = load()
+        seconds.append(time.perf_counter() - t0)
+        del model
+    c.free()
+    background_reads_done()
+    return seconds
+
+
+def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram, load_repeats: int = 1):
+    # a load of a tiny model takes some 10-50 ms, as much as its noise: its figure is the median of
+    # load_repeats loads, the last of which is the one sampled (its first step counts from its start)
+    loads = extra_loads(c, load, load_repeats - 1)
     c.free()
     base = vram.reset()
     t0 = time.perf_counter()
     model = load()
     t_load = time.perf_counter() - t0
+    loads.append(t_load)
     clock = StepClock(c)
     samples = sample(c, model, shape, positive, clock)
     c.sync()
     later = clock.later_steps_s()
-    row = {"variant": name, "load_s": t_load, "first_step_s": clock.first_done - t0,
+    row = {"variant": name, "load_s": statistics.median(loads), "loads_s": [round(t, 5) for t in loads],
+           "first_step_s": clock.first_done - t0,
            "step_s": statistics.median(later) if later else None, "steps_timed": len(later),
            "model_bytes": model.model_size()}
     row.update(vram.peaks(base))
@@ -772,12 +803,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engram-ranks", type=int, default=4, help="CUDA ranks sharing the GPU for the engram memory")
     p.add_argument("--rows-per-head", type=int, help="engram rows per hash head (default 65536; tiny 4096)")
     p.add_argument("--skip-engram", action="store_true")
+    p.add_argument("--load-repeats", type=int, help="loads per variant and size, their median the load figure "
+                   "(default 1; --tiny 5)")
     p.add_argument("--arch", choices=("flux", "sd3"), help="diffusion model (default: flux; --tiny: sd3)")
     p.add_argument("--keep-dir", help="make the files here and keep them (default: a temp dir, deleted)")
     p.add_argument("--cpu-isa", choices=("avx2",), help="emulate an AVX2 CPU on a newer one: the run starts again with "
                    "torch's kernels, oneDNN and MKL capped at AVX2 (so no VNNI: the pack's int8 is off, as on such a "
                    "CPU); the processor's own caches, clock and memory stay, so it is an emulation, said so in the output")
     args = p.parse_args(argv)
+    if args.load_repeats is None:
+        args.load_repeats = 5 if args.tiny else 1
+    if args.load_repeats < 1:
+        p.error("--load-repeats must be at least 1")
     if args.cpu_isa and os.environ.get("FP8_ENGRAM_BENCH_ISA") != args.cpu_isa:
         env = dict(os.environ, FP8_ENGRAM_BENCH_ISA=args.cpu_isa, **CPU_ISA_CAPS[args.cpu_isa])
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:]), env)
@@ -943,7 +980,7 @@ def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result
         for name, load in loaders(c, files).items():
             if name not in names:
                 continue
-            got = guarded(f"{name}{tag}", run_variant, c, name, load, size_shape, positive, vram)
+            got = guarded(f"{name}{tag}", run_variant, c, name, load, size_shape, positive, vram, args.load_repeats)
             if got is None:
                 rows.append({"variant": name, "error": errors[f"{name}{tag}"]})
                 continue
