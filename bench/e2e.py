@@ -98,7 +98,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -495,26 +494,21 @@ def conditioning(c: Comfy, shape: Shape):
     return guided
 
 
-def background_reads_done() -> None:
-    """Wait for the pack's background reads of earlier loads (quant/safetensors_file.py DeferredReads) to end."""
-    for thread in threading.enumerate():
-        if thread.name == "fp8-engram-reads":
-            thread.join()
-
-
 def extra_loads(c: Comfy, load, n: int) -> list[float]:
     """Seconds of ``n`` loads whose model is dropped at once: each after ComfyUI's free memory and after the
     pack's background reads of the load before it ended, so that no load shares the CPU with another's."""
+    from fp8_engram.quant import safetensors_file
+
     seconds = []
     for _ in range(n):
         c.free()
-        background_reads_done()
+        safetensors_file.background_reads_done()
         t0 = time.perf_counter()
         model = load()
         seconds.append(time.perf_counter() - t0)
         del model
     c.free()
-    background_reads_done()
+    safetensors_file.background_reads_done()
     return seconds
 
 

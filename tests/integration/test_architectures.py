@@ -36,6 +36,7 @@ the pack and stock, the difference, SQNR of both against the bf16 model, what de
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 
@@ -205,12 +206,15 @@ def test_pack_loads_architecture_like_stock(comfy_env, arch, fmt):
                    "auto": lambda: nodes.LoadFP8DiffusionModel.execute(name, "auto", "auto", "auto").result[0]}
         times: dict = {k: [] for k in loaders}
         with small_vram(comfy):
+            models: dict = {}
             for _ in range(LOAD_ROUNDS):  # interleaved rounds, the median of each: loads of a few ms are noisy
-                models = {}
                 for k, load in loaders.items():
+                    models.pop(k, None)  # the round before's model is freed before the clock starts, not in it
+                    gc.collect()  # nor its reference cycles, which a collection would free in whichever load came next
                     t0 = time.perf_counter()
-                    models[k] = load()
+                    model = load()
                     times[k].append(time.perf_counter() - t0)
+                    models[k] = model
         stock_small, pack, pack_auto = models["stock"], models["weight-only"], models["auto"]
         assert record.get("cls") == arch.config_class
         # printed, never asserted (a shared machine's clock proves nothing): issue 35's load figure per family

@@ -7,12 +7,14 @@ its own at its first use (quant/safetensors_file.py ``DeferredReads``, quant/ten
   that needs a tensor reads it itself);
 - a file truncated or rewritten in place before its tensors are read gives a FormatError naming the file and
   the key where they are used, for that weight and every later one; a file renamed over the name is not read;
-- the file is closed once everything is read, and by a load that fails half way.
+- the file is closed once everything is read, and by a load that fails half way;
+- ``background_reads_done`` waits for every reading thread (the load itself never does).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,27 @@ def test_the_background_thread_reads_everything_without_a_use(model_file):
     assert fill.done.wait(30)  # read by the thread, nobody asked
     eager, _ = formats.load_file(model_file)
     assert all(torch.equal(_bytes(v), _bytes(eager[k])) for k, v in sd.items())
+
+
+def test_background_reads_done_waits_for_every_reading_thread(model_file, monkeypatch):
+    gate, started = threading.Event(), threading.Event()
+    read = safetensors_file.DeferredReads._read_into
+
+    def held_read(self, fill):
+        started.set()
+        assert gate.wait(30)
+        read(self, fill)
+
+    monkeypatch.setattr(safetensors_file.DeferredReads, "_read_into", held_read)
+    sd, _ = formats.load_file(model_file, defer=True)  # returns while its thread is held in its first read
+    assert started.wait(30)
+    assert not safetensors_file.background_reads_done(timeout=0.05)
+    gate.set()
+    assert safetensors_file.background_reads_done(timeout=30)
+    assert not safetensors_file._ACTIVE
+    fills = [v.__dict__["_pending_codes"][1] for v in sd.values() if isinstance(v, QuantizedTensor)]
+    assert fills and all(f.done.is_set() and f.error is None for f in fills)
+    assert _open_fds(model_file) == 0
 
 
 def test_a_file_truncated_before_its_tensors_are_read_names_the_file_and_key_where_used(model_file, held):
