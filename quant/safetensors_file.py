@@ -241,19 +241,26 @@ class _FileReader:
         self._file = None
         self._reads = None
         self._defer = defer and DEFERRED_READS and torch.device(device).type == "cpu"
+        self._deferrable = None  # bytes of the tensors large enough to defer
 
     def later(self, key: str):
         """``(tensor, (reads, fill))``: ``key``'s tensor, allocated, its bytes read after ``start_later`` (the
-        caller marks its weight: ``QuantizedTensor.defer_codes``); ``(tensor, None)``, read now, without defer or
-        for a file with less tensor data than ``DEFER_MIN_BYTES``."""
-        if self._defer and self.header is not None and self.header.file_size - self.header.data_start < DEFER_MIN_BYTES:
+        caller marks its weight: ``QuantizedTensor.defer_codes``); ``(tensor, None)``, read now: without defer, for
+        a tensor under ``DEFER_TENSOR_MIN_BYTES``, and in a file whose tensors of that size hold less than
+        ``DEFER_MIN_BYTES`` in all."""
+        if self._defer and self.header is not None and self._deferrable_bytes() < DEFER_MIN_BYTES:
             self._defer = False
-        if not self._defer:
+        if not self._defer or self.header.tensors[key].nbytes < DEFER_TENSOR_MIN_BYTES:
             return self.get(key), None
         if self._reads is None:
             self._reads = DeferredReads(self.path, self.open(), self.header)
         t, fill = self._reads.add(key, self.header.tensors[key])
         return t, (self._reads, fill)
+
+    def _deferrable_bytes(self) -> int:
+        if self._deferrable is None:
+            self._deferrable = sum(e.nbytes for e in self.header.tensors.values() if e.nbytes >= DEFER_TENSOR_MIN_BYTES)
+        return self._deferrable
 
     def start_later(self) -> None:
         """Start reading what ``later`` left, in the background; the reads own the open file from now on."""
@@ -299,12 +306,16 @@ class _FileReader:
 
 
 DEFERRED_READS = hasattr(os, "preadv")  # positioned reads into a buffer (not on Windows: everything is read at load)
-# A file with less tensor data than this is read at load. Reading in the background is not free: the reading thread
-# takes the GIL back at every tensor, each time the load's torch calls release it, and shares two cores with the
-# load. Measured (AMD EPYC Zen 5, 2 cores; medians of 15 interleaved loads, garbage collected before each): the
-# tiny test models of 3-44 MB load as fast (within 0.3 ms) or up to 1.5 ms faster read at once than deferred (z-image's 8 MB: 10.9 against
-# 12.2 ms, stock ComfyUI 8.1); a 617 MB Flux-shaped file loads in 46 ms deferred, 219 ms read at once (stock 48)
-DEFER_MIN_BYTES = 64 << 20
+# Which tensors are read in the background: those of DEFER_TENSOR_MIN_BYTES or more, in a file where such tensors hold
+# DEFER_MIN_BYTES or more in all; the rest are read at load. Reading in the background is not free: the reading
+# thread takes the GIL back at every tensor, each time the load's torch calls release it, and shares two cores with
+# the load; a large tensor's read is worth that, a small one's is not. Measured (AMD EPYC Zen 5, 2 cores; medians of
+# 15 interleaved loads of the tiny test models, garbage collected before each; ms): hunyuan-dit's 44 MB file read
+# at once 13.1, every FP8 tensor deferred 13.5, those of 4 MiB or more 12.0 (stock ComfyUI 7.9); z-image's 8 MB
+# 11.8 / 13.4 / 11.3 (stock 8.8); files of 3-4 MB, with no such tensors, 1-3 ms slower with every tensor deferred.
+# A 617 MB Flux-shaped file (37 MB layers): 46 ms deferred, 219 ms read at once (stock 48).
+DEFER_MIN_BYTES = 8 << 20
+DEFER_TENSOR_MIN_BYTES = 4 << 20
 
 
 _ACTIVE: set = set()  # DeferredReads whose thread runs

@@ -207,14 +207,21 @@ def test_pack_loads_architecture_like_stock(comfy_env, arch, fmt):
         times: dict = {k: [] for k in loaders}
         with small_vram(comfy):
             models: dict = {}
-            for _ in range(LOAD_ROUNDS):  # interleaved rounds, the median of each: loads of a few ms are noisy
-                for k, load in loaders.items():
-                    models.pop(k, None)  # the round before's model is freed before the clock starts, not in it
-                    gc.collect()  # nor its reference cycles, which a collection would free in whichever load came next
-                    t0 = time.perf_counter()
-                    model = load()
-                    times[k].append(time.perf_counter() - t0)
-                    models[k] = model
+            # no collection of reference cycles while timing (one would fall in whichever load came next, freeing an
+            # earlier model's); one collection before and after (each costs as much as several loads of these models)
+            gc.collect()
+            gc.disable()
+            try:
+                for _ in range(LOAD_ROUNDS):  # interleaved rounds, the median of each: loads of a few ms are noisy
+                    for k, load in loaders.items():
+                        models.pop(k, None)  # the round before's model is freed before the clock starts, not in it
+                        t0 = time.perf_counter()
+                        model = load()
+                        times[k].append(time.perf_counter() - t0)
+                        models[k] = model
+            finally:
+                gc.enable()
+            gc.collect()
         stock_small, pack, pack_auto = models["stock"], models["weight-only"], models["auto"]
         assert record.get("cls") == arch.config_class
         # printed, never asserted (a shared machine's clock proves nothing): issue 35's load figure per family

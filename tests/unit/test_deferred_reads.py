@@ -29,8 +29,10 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(autouse=True)
 def defer_small_files(monkeypatch):
-    """These files are small: defer them all the same (a real load reads a file under DEFER_MIN_BYTES at once)."""
+    """These files are small: defer them all the same (a real load reads their tensors at once: each is under
+    DEFER_TENSOR_MIN_BYTES)."""
     monkeypatch.setattr(safetensors_file, "DEFER_MIN_BYTES", 0)
+    monkeypatch.setattr(safetensors_file, "DEFER_TENSOR_MIN_BYTES", 0)
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +191,19 @@ def test_a_file_under_the_threshold_is_read_at_load(model_file, monkeypatch):
     weights = [t for t in sd.values() if isinstance(t, QuantizedTensor)]
     assert weights and not any(w.codes_pending() for w in weights)
 
+
+
+def test_only_tensors_over_the_tensor_threshold_are_read_in_the_background(model_file, monkeypatch):
+    sd, _ = formats.load_file(model_file)
+    sizes = {k: v.qdata.numel() * v.qdata.element_size() for k, v in sd.items() if isinstance(v, QuantizedTensor)}
+    assert len(set(sizes.values())) > 1
+    threshold = max(sizes.values())  # the largest weight (qkv, 384 x 128) only
+    monkeypatch.setattr(safetensors_file, "DEFER_TENSOR_MIN_BYTES", threshold)
+    monkeypatch.setattr(safetensors_file, "DEFER_MIN_BYTES", threshold)  # what such tensors hold: just enough
+    sd, _ = formats.load_file(model_file, defer=True)
+    pending = {k for k, v in sd.items() if isinstance(v, QuantizedTensor) and "_pending_codes" in v.__dict__}
+    assert pending == {k for k, n in sizes.items() if n >= threshold}
+    monkeypatch.setattr(safetensors_file, "DEFER_MIN_BYTES", threshold + 1)  # they hold less: nothing deferred
+    sd, _ = formats.load_file(model_file, defer=True)
+    assert not any("_pending_codes" in v.__dict__ for v in sd.values() if isinstance(v, QuantizedTensor))
+    assert safetensors_file.background_reads_done(timeout=30)
