@@ -494,21 +494,24 @@ def conditioning(c: Comfy, shape: Shape):
     return guided
 
 
-def extra_loads(c: Comfy, load, n: int) -> list[float]:
-    """Seconds of ``n`` loads whose model is dropped at once: each after ComfyUI's free memory and after the
-    pack's background reads of the load before it ended, so that no load shares the CPU with another's."""
+def settle(c: Comfy) -> None:
+    """Before a timed load: ComfyUI's free memory, and the end of the pack's background reads of the load before
+    (so that no load shares the CPU with another's)."""
     from fp8_engram.quant import safetensors_file
 
+    c.free()
+    safetensors_file.background_reads_done()
+
+
+def extra_loads(c: Comfy, load, n: int) -> list[float]:
+    """Seconds of ``n`` loads whose model is dropped at once, each after ``settle``."""
     seconds = []
     for _ in range(n):
-        c.free()
-        safetensors_file.background_reads_done()
+        settle(c)
         t0 = time.perf_counter()
         model = load()
         seconds.append(time.perf_counter() - t0)
         del model
-    c.free()
-    safetensors_file.background_reads_done()
     return seconds
 
 
@@ -516,7 +519,7 @@ def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram, l
     # a load of a tiny model takes some 10-50 ms, as much as its noise: its figure is the median of
     # load_repeats loads, the last of which is the one sampled (its first step counts from its start)
     loads = extra_loads(c, load, load_repeats - 1)
-    c.free()
+    settle(c)
     base = vram.reset()
     t0 = time.perf_counter()
     model = load()

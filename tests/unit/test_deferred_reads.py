@@ -192,7 +192,6 @@ def test_a_file_under_the_threshold_is_read_at_load(model_file, monkeypatch):
     assert weights and not any(w.codes_pending() for w in weights)
 
 
-
 def test_only_tensors_over_the_tensor_threshold_are_read_in_the_background(model_file, monkeypatch):
     sd, _ = formats.load_file(model_file)
     sizes = {k: v.qdata.numel() * v.qdata.element_size() for k, v in sd.items() if isinstance(v, QuantizedTensor)}
