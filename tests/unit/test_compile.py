@@ -187,7 +187,7 @@ def test_fullgraph_with_gelu_within_rounding(layout):
                                   pytest.param("fp8", marks=pytest.mark.skipif(
                                       not HAS_CPU_SCALED_MM, reason=NO_CPU_SCALED_MM))])
 def test_compile_after_eager_and_twice_keeps_eager_caches(path):
-    # 1024 x 1024 weights: eager dequantizes them through the byte-pair table and its index buffer
+    # 1024 x 1024 weights: eager dequantizes them by shifted bits in its bits buffer
     sizes = (1024, 1024, 128)
     model = Chain(PerTensor(), ComputeConfig(path=path), sizes=sizes)
     g = torch.Generator().manual_seed(3)
@@ -201,7 +201,7 @@ def test_compile_after_eager_and_twice_keeps_eager_caches(path):
         assert torch.equal(model(x), eager)
     bufs = runtime._workspace.bufs
     if path == "weight_only":
-        assert ("weight_only", torch.bfloat16) in bufs and ("pair_lut_index", torch.int32) in bufs
+        assert ("weight_only", torch.bfloat16) in bufs and ("fp8_shifted_bits", torch.int16) in bufs
     else:
         w = model.layers[0].weight
         assert "row_scale" in w.__dict__["_derived"]  # the eager fp8 path still caches it

@@ -239,6 +239,7 @@ def test_cpu_pair_tables_equal_the_plain_conversion_for_every_byte_pair(fp8, dty
     from fp8_engram.quant.layouts import fp8 as fp8_layout
 
     monkeypatch.setattr(fp8_layout, "_tables", {})
+    monkeypatch.setattr(fp8_layout, "_SHIFT_MIN_NUMEL", 1 << 30)  # the tables, not the shifted bits
     pairs = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(fp8)
     q = pairs.repeat(copies).reshape(256 * copies, 512)
     scale = torch.tensor(0.0123)
@@ -256,49 +257,74 @@ def test_cpu_pair_tables_equal_the_plain_conversion_for_every_byte_pair(fp8, dty
     assert torch.equal(_bits(fp8_layout.fp8_to(odd, dtype)), _bits(odd.to(dtype)))
 
 
-def _codes(fp8, numel: int, nan: bool) -> torch.Tensor:
-    """`numel` FP8 codes cycling over every byte (e4m3fn's NaN bytes only with `nan`), shuffled."""
+def _codes(fp8, numel: int, special: int = 0) -> torch.Tensor:
+    """`numel` FP8 codes cycling over every byte but those whose `special` bits are all set (0: none left
+    out), shuffled."""
     byte = torch.arange(256, dtype=torch.int32)
-    if fp8 == torch.float8_e4m3fn and not nan:
-        byte = byte[(byte & 0x7F) != 0x7F]
+    if special:
+        byte = byte[(byte & special) != special]
     codes = byte.repeat(-(-numel // byte.numel()))[:numel].to(torch.uint8)
     return codes[torch.randperm(numel, generator=torch.Generator().manual_seed(2))].view(fp8)
 
 
+def _special(fp8, dtype) -> int:
+    """The byte bits that mark codes the shifted route leaves to the tables, for FP8 `fp8` into `dtype`."""
+    from fp8_engram.quant.layouts import fp8 as fp8_layout
+
+    return fp8_layout._SHIFTS[(fp8, fp8_layout._VIEW[dtype])][3]
+
+
+def _converted(q, dtype, s):
+    """The plain conversion: torch's own without a scale, else the float32 product rounded once into `dtype`."""
+    return q.to(dtype) if s is None else q.to(torch.float32).mul_(s).to(dtype)
+
+
 @pytest.mark.parametrize("scale", [None, 0.0123, 1e38, 1e-44, 2.0 ** -149], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fp8", FP8, ids=str)
-def test_cpu_float32_through_float16_is_the_plain_conversion_bit_for_bit(fp8, scale, monkeypatch):
-    """FP8 -> float32 on the CPU through float16's bits (every code, e5m2's inf and NaN included, subnormals,
-    both zeros; scales down to float32's smallest subnormal and up to where the multiply by 2**8 would overflow,
-    which takes the table): the bits of "convert, then multiply by the float32 scale". Without a NaN code (e4m3fn)
-    no chunk takes the table."""
+def test_cpu_shifted_bits_are_the_plain_conversion_bit_for_bit(fp8, dtype, scale, monkeypatch):
+    """FP8 -> float32, float16 and bfloat16 on the CPU by shifted bits (every code the route takes: subnormals,
+    both zeros, e5m2's inf and NaN into float16 and float32; scales down to float32's smallest subnormal and up
+    to where the multiply by the route's power of two would overflow, which takes the table): the bits of
+    "convert, then multiply by the float32 scale, round once". Without a code the route leaves to the tables no
+    chunk takes them."""
     from fp8_engram.quant.layouts import fp8 as fp8_layout
 
     tabled = []
     real = fp8_layout._cpu_pairs
     monkeypatch.setattr(fp8_layout, "_cpu_pairs", lambda q, *a: tabled.append(q.numel()) or real(q, *a))
-    monkeypatch.setattr(fp8_layout, "_HALF_CHUNK_ELEMS", 1 << 15)
-    q = _codes(fp8, 3 * (1 << 15) + 100, nan=False).reshape(-1, 4)  # four chunks, the last one short
+    monkeypatch.setattr(fp8_layout, "_SHIFT_CHUNK_BYTES", (1 << 15) * dtype.itemsize)
+    q = _codes(fp8, 3 * (1 << 15) + 100, _special(fp8, dtype)).reshape(-1, 4)  # four chunks, the last one short
     s = None if scale is None else torch.tensor(scale)
-    out = torch.empty(q.shape, dtype=torch.float32)
-    got = fp8_layout.fp8_to(q, torch.float32, s, out=out)
-    want = q.to(torch.float32) if s is None else q.to(torch.float32).mul_(s)
+    out = torch.empty(q.shape, dtype=dtype)
+    got = fp8_layout.fp8_to(q, dtype, s, out=out)
+    want = _converted(q, dtype, s)
     assert got.data_ptr() == out.data_ptr()
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(_bits(got)[~want.isnan()], _bits(want)[~want.isnan()])
-    overflows = fp8 == torch.float8_e4m3fn and scale == 1e38
+    nan = want.isnan() if s is not None else torch.zeros_like(want, dtype=torch.bool)  # unscaled: NaN bits too
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(_bits(got)[~nan], _bits(want)[~nan])
+    power = fp8_layout._SHIFTS[(fp8, fp8_layout._VIEW[dtype])][2]
+    overflows = scale == 1e38 and power > 0
     assert tabled == ([q.numel()] if overflows else [])
 
 
-def test_a_chunk_with_an_e4m3fn_nan_code_takes_the_table_and_keeps_torchs_nan(monkeypatch):
+@pytest.mark.parametrize("fp8,byte,dtype", [
+    (torch.float8_e4m3fn, 0xFF, torch.float32), (torch.float8_e4m3fn, 0x7F, torch.float16),
+    (torch.float8_e4m3fn, 0x7F, torch.bfloat16), (torch.float8_e5m2, 0x7C, torch.bfloat16),
+    (torch.float8_e5m2, 0xFE, torch.bfloat16)], ids=str)
+def test_a_chunk_with_a_code_the_view_cannot_hold_takes_the_table(fp8, byte, dtype, monkeypatch):
+    """e4m3fn's NaN codes (every result dtype) and e5m2's inf and NaN (bfloat16; float16 holds them as they are)
+    send their chunk, and only it, to the table: torch's own inf and NaN come back."""
     from fp8_engram.quant.layouts import fp8 as fp8_layout
 
     tabled = []
     real = fp8_layout._cpu_pairs
     monkeypatch.setattr(fp8_layout, "_cpu_pairs", lambda q, *a: tabled.append(q.numel()) or real(q, *a))
-    monkeypatch.setattr(fp8_layout, "_HALF_CHUNK_ELEMS", 1 << 14)
-    q = _codes(torch.float8_e4m3fn, 3 << 14, nan=False)
-    q.view(torch.uint8)[(1 << 14) + 5] = 0xFF  # a NaN in the second chunk
-    got = fp8_layout.fp8_to(q, torch.float32, torch.tensor(0.5))
-    want = q.to(torch.float32).mul_(0.5)
-    assert tabled == [1 << 14] and int(got.isnan().sum()) == 1 and bool(got[(1 << 14) + 5].isnan())
+    monkeypatch.setattr(fp8_layout, "_SHIFT_CHUNK_BYTES", (1 << 14) * dtype.itemsize)
+    q = _codes(fp8, 3 << 14, _special(fp8, dtype))
+    q.view(torch.uint8)[(1 << 14) + 5] = byte  # in the second chunk
+    got = fp8_layout.fp8_to(q, dtype, torch.tensor(0.5))
+    want = _converted(q, dtype, torch.tensor(0.5))
+    assert tabled == [1 << 14]
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert bool(~torch.isfinite(got[(1 << 14) + 5]))
     assert torch.equal(_bits(got)[~want.isnan()], _bits(want)[~want.isnan()])
