@@ -187,7 +187,7 @@ def test_fullgraph_with_gelu_within_rounding(layout):
                                   pytest.param("fp8", marks=pytest.mark.skipif(
                                       not HAS_CPU_SCALED_MM, reason=NO_CPU_SCALED_MM))])
 def test_compile_after_eager_and_twice_keeps_eager_caches(path):
-    # 1024 x 1024 weights: eager dequantizes them by shifted bits in its bits buffer
+    # 1024 x 1024 weights: eager dequantizes them by shifted bits made in a reused buffer
     sizes = (1024, 1024, 128)
     model = Chain(PerTensor(), ComputeConfig(path=path), sizes=sizes)
     g = torch.Generator().manual_seed(3)

@@ -271,7 +271,7 @@ def _special(fp8, dtype) -> int:
     """The byte bits that mark codes the shifted route leaves to the tables, for FP8 `fp8` into `dtype`."""
     from fp8_engram.quant.layouts import fp8 as fp8_layout
 
-    return fp8_layout._SHIFTS[(fp8, fp8_layout._VIEW[dtype])][3]
+    return fp8_layout._SHIFTS[(fp8, dtype)][3]
 
 
 def _converted(q, dtype, s):
@@ -284,7 +284,7 @@ def _converted(q, dtype, s):
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 def test_cpu_shifted_bits_are_the_plain_conversion_bit_for_bit(fp8, dtype, scale, monkeypatch):
     """FP8 -> float32, float16 and bfloat16 on the CPU by shifted bits (every code the route takes: subnormals,
-    both zeros, e5m2's inf and NaN into float16 and float32; scales down to float32's smallest subnormal and up
+    both zeros, e5m2's inf and NaN into float16; scales down to float32's smallest subnormal and up
     to where the multiply by the route's power of two would overflow, which takes the table): the bits of
     "convert, then multiply by the float32 scale, round once". Without a code the route leaves to the tables no
     chunk takes them."""
@@ -293,7 +293,7 @@ def test_cpu_shifted_bits_are_the_plain_conversion_bit_for_bit(fp8, dtype, scale
     tabled = []
     real = fp8_layout._cpu_pairs
     monkeypatch.setattr(fp8_layout, "_cpu_pairs", lambda q, *a: tabled.append(q.numel()) or real(q, *a))
-    monkeypatch.setattr(fp8_layout, "_SHIFT_CHUNK_BYTES", (1 << 15) * dtype.itemsize)
+    monkeypatch.setattr(fp8_layout, "_SHIFT_CHUNK_ELEMS", 1 << 15)
     q = _codes(fp8, 3 * (1 << 15) + 100, _special(fp8, dtype)).reshape(-1, 4)  # four chunks, the last one short
     s = None if scale is None else torch.tensor(scale)
     out = torch.empty(q.shape, dtype=dtype)
@@ -302,7 +302,7 @@ def test_cpu_shifted_bits_are_the_plain_conversion_bit_for_bit(fp8, dtype, scale
     assert got.data_ptr() == out.data_ptr()
     nan = want.isnan() if s is not None else torch.zeros_like(want, dtype=torch.bool)  # unscaled: NaN bits too
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(_bits(got)[~nan], _bits(want)[~nan])
-    power = fp8_layout._SHIFTS[(fp8, fp8_layout._VIEW[dtype])][2]
+    power = fp8_layout._SHIFTS[(fp8, dtype)][2]
     overflows = scale == 1e38 and power > 0
     assert tabled == ([q.numel()] if overflows else [])
 
@@ -310,16 +310,16 @@ def test_cpu_shifted_bits_are_the_plain_conversion_bit_for_bit(fp8, dtype, scale
 @pytest.mark.parametrize("fp8,byte,dtype", [
     (torch.float8_e4m3fn, 0xFF, torch.float32), (torch.float8_e4m3fn, 0x7F, torch.float16),
     (torch.float8_e4m3fn, 0x7F, torch.bfloat16), (torch.float8_e5m2, 0x7C, torch.bfloat16),
-    (torch.float8_e5m2, 0xFE, torch.bfloat16)], ids=str)
+    (torch.float8_e5m2, 0xFE, torch.bfloat16), (torch.float8_e5m2, 0xFC, torch.float32)], ids=str)
 def test_a_chunk_with_a_code_the_view_cannot_hold_takes_the_table(fp8, byte, dtype, monkeypatch):
-    """e4m3fn's NaN codes (every result dtype) and e5m2's inf and NaN (bfloat16; float16 holds them as they are)
-    send their chunk, and only it, to the table: torch's own inf and NaN come back."""
+    """e4m3fn's NaN codes (every result dtype) and e5m2's inf and NaN (bfloat16 and float32; float16 holds them
+    as they are) send their chunk, and only it, to the table: torch's own inf and NaN come back."""
     from fp8_engram.quant.layouts import fp8 as fp8_layout
 
     tabled = []
     real = fp8_layout._cpu_pairs
     monkeypatch.setattr(fp8_layout, "_cpu_pairs", lambda q, *a: tabled.append(q.numel()) or real(q, *a))
-    monkeypatch.setattr(fp8_layout, "_SHIFT_CHUNK_BYTES", (1 << 14) * dtype.itemsize)
+    monkeypatch.setattr(fp8_layout, "_SHIFT_CHUNK_ELEMS", 1 << 14)
     q = _codes(fp8, 3 << 14, _special(fp8, dtype))
     q.view(torch.uint8)[(1 << 14) + 5] = byte  # in the second chunk
     got = fp8_layout.fp8_to(q, dtype, torch.tensor(0.5))
