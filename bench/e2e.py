@@ -495,12 +495,14 @@ def conditioning(c: Comfy, shape: Shape):
 
 
 def settle(c: Comfy) -> None:
-    """Before a timed load: ComfyUI's free memory, and the end of the pack's background reads of the load before
-    (so that no load shares the CPU with another's)."""
+    """Before a timed load: ComfyUI's free memory, the end of the pack's background reads of the load before (so
+    that no load shares the CPU with another's), and a garbage collection (so that a collection the earlier
+    variants' objects made due does not fall in whichever load comes next)."""
     from fp8_engram.quant import safetensors_file
 
     c.free()
     safetensors_file.background_reads_done()
+    gc.collect()
 
 
 def extra_loads(c: Comfy, load, n: int) -> list[float]:
