@@ -11,12 +11,14 @@ import logging
 import math
 import os
 import _thread
+import atexit
 import struct
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
+from ..common import huge_pages
 from .errors import FormatError
 
 logger = logging.getLogger(__name__)
@@ -225,6 +227,20 @@ def _loads(path, key, raw, expected: str):
         raise _err(path, key, f"unreadable JSON ({str(exc)[:200]})", expected) from None
 
 
+# Read buffers and transparent huge pages: common/huge_pages.py (why, and what it measured).
+
+
+def read_buffer(nbytes: int, huge: huge_pages.HugePages | None = None) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` (contents undefined) from torch's allocator, to read a tensor's bytes into;
+    where ``huge`` grants it (above), its whole huge pages are marked MADV_HUGEPAGE before anything touches them.
+    (The memory stays torch's: a mapping of the pack's own would be released by whichever thread drops the last
+    tensor on it, with the interpreter's lock, which a background read's thread cannot take while Python exits.)"""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if huge is not None and huge.take(nbytes):
+        huge_pages.advise(buf.data_ptr(), nbytes)
+    return buf
+
+
 class _FileReader:
     """Reads tensors with ordinary file reads into memory this process owns.
 
@@ -242,6 +258,7 @@ class _FileReader:
         self._reads = None
         self._defer = defer and DEFERRED_READS and torch.device(device).type == "cpu"
         self._deferrable = None  # bytes of the tensors large enough to defer
+        self._huge = huge_pages.HugePages()
 
     def later(self, key: str):
         """``(tensor, (reads, fill))``: ``key``'s tensor, allocated, its bytes read after ``start_later`` (the
@@ -253,7 +270,7 @@ class _FileReader:
         if not self._defer or self.header.tensors[key].nbytes < DEFER_TENSOR_MIN_BYTES:
             return self.get(key), None
         if self._reads is None:
-            self._reads = DeferredReads(self.path, self.open(), self.header)
+            self._reads = DeferredReads(self.path, self.open(), self.header, self._huge)
         t, fill = self._reads.add(key, self.header.tensors[key])
         return t, (self._reads, fill)
 
@@ -285,7 +302,7 @@ class _FileReader:
         if self.header is None:
             self.header = read_header(self.path, file=self.open())
         entry = self.header.tensors[key]
-        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        buf = read_buffer(entry.nbytes, self._huge)
         if entry.nbytes:
             f = self.open()
             view = memoryview(buf.numpy()).cast("B")
@@ -330,6 +347,18 @@ def background_reads_done(timeout: float | None = None) -> bool:
     return all(reads._thread_done.wait(timeout) for reads in active)
 
 
+_EXITING = threading.Event()
+
+
+@atexit.register
+def _stop_background_reads() -> None:
+    """At exit: every reading thread ends after the tensor it is reading (the rest are not read; nothing is left to
+    use them) before the interpreter tears down. A thread still inside torch then would be ended from within C++
+    code that may not be unwound ("terminate called without an active exception", an abort at exit)."""
+    _EXITING.set()
+    background_reads_done(timeout=10.0)
+
+
 class _Fill:
     """One tensor's bytes still to be read into ``buffer`` (uint8, allocated, not yet written)."""
 
@@ -354,8 +383,8 @@ class DeferredReads:
     place while its tensors are read fails that tensor and every later one with a ``FormatError`` naming the
     file and the key, raised where the tensor is first used. The file is closed once every tensor is read."""
 
-    def __init__(self, path: str, file, header: SafetensorsHeader):
-        self.path, self._file, self._header = path, file, header
+    def __init__(self, path: str, file, header: SafetensorsHeader, huge: huge_pages.HugePages | None = None):
+        self.path, self._file, self._header, self._huge = path, file, header, huge
         st = os.fstat(file.fileno())
         self._stat = (st.st_size, st.st_mtime_ns)
         self._lock = threading.Lock()
@@ -366,7 +395,7 @@ class DeferredReads:
 
     def add(self, key: str, entry: TensorEntry) -> tuple[torch.Tensor, _Fill]:
         """A buffer for ``entry``'s tensor (its dtype and shape; bytes not read yet) and the fill that reads it."""
-        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        buf = read_buffer(entry.nbytes, self._huge)
         fill = _Fill(key, self._header.data_start + entry.start, entry.nbytes, buf)
         self._fills.append(fill)
         self._left += 1
@@ -408,6 +437,11 @@ class DeferredReads:
         try:
             for fill in self._fills:
                 if self._claim(fill):
+                    if _EXITING.is_set():  # not read: whoever waits for it gets an error, not a hang
+                        fill.error = _err(self.path, fill.key, "not read: the process is exiting")
+                        fill.buffer = None
+                        fill.done.set()
+                        continue
                     self._read(fill)
             self._fills = []
         finally:
