@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common import huge_pages
 from .errors import FormatError
 
 logger = logging.getLogger(__name__)
@@ -227,20 +226,6 @@ def _loads(path, key, raw, expected: str):
         raise _err(path, key, f"unreadable JSON ({str(exc)[:200]})", expected) from None
 
 
-# Read buffers and transparent huge pages: common/huge_pages.py (why, and what it measured).
-
-
-def read_buffer(nbytes: int, huge: huge_pages.HugePages | None = None) -> torch.Tensor:
-    """A uint8 CPU tensor of ``nbytes`` (contents undefined) from torch's allocator, to read a tensor's bytes into;
-    where ``huge`` grants it (above), its whole huge pages are marked MADV_HUGEPAGE before anything touches them.
-    (The memory stays torch's: a mapping of the pack's own would be released by whichever thread drops the last
-    tensor on it, with the interpreter's lock, which a background read's thread cannot take while Python exits.)"""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    if huge is not None and huge.take(nbytes):
-        huge_pages.advise(buf.data_ptr(), nbytes)
-    return buf
-
-
 class _FileReader:
     """Reads tensors with ordinary file reads into memory this process owns.
 
@@ -258,7 +243,6 @@ class _FileReader:
         self._reads = None
         self._defer = defer and DEFERRED_READS and torch.device(device).type == "cpu"
         self._deferrable = None  # bytes of the tensors large enough to defer
-        self._huge = huge_pages.HugePages()
 
     def later(self, key: str):
         """``(tensor, (reads, fill))``: ``key``'s tensor, allocated, its bytes read after ``start_later`` (the
@@ -270,7 +254,7 @@ class _FileReader:
         if not self._defer or self.header.tensors[key].nbytes < DEFER_TENSOR_MIN_BYTES:
             return self.get(key), None
         if self._reads is None:
-            self._reads = DeferredReads(self.path, self.open(), self.header, self._huge)
+            self._reads = DeferredReads(self.path, self.open(), self.header)
         t, fill = self._reads.add(key, self.header.tensors[key])
         return t, (self._reads, fill)
 
@@ -302,7 +286,7 @@ class _FileReader:
         if self.header is None:
             self.header = read_header(self.path, file=self.open())
         entry = self.header.tensors[key]
-        buf = read_buffer(entry.nbytes, self._huge)
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
         if entry.nbytes:
             f = self.open()
             view = memoryview(buf.numpy()).cast("B")
@@ -383,8 +367,8 @@ class DeferredReads:
     place while its tensors are read fails that tensor and every later one with a ``FormatError`` naming the
     file and the key, raised where the tensor is first used. The file is closed once every tensor is read."""
 
-    def __init__(self, path: str, file, header: SafetensorsHeader, huge: huge_pages.HugePages | None = None):
-        self.path, self._file, self._header, self._huge = path, file, header, huge
+    def __init__(self, path: str, file, header: SafetensorsHeader):
+        self.path, self._file, self._header = path, file, header
         st = os.fstat(file.fileno())
         self._stat = (st.st_size, st.st_mtime_ns)
         self._lock = threading.Lock()
@@ -395,7 +379,7 @@ class DeferredReads:
 
     def add(self, key: str, entry: TensorEntry) -> tuple[torch.Tensor, _Fill]:
         """A buffer for ``entry``'s tensor (its dtype and shape; bytes not read yet) and the fill that reads it."""
-        buf = read_buffer(entry.nbytes, self._huge)
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
         fill = _Fill(key, self._header.data_start + entry.start, entry.nbytes, buf)
         self._fills.append(fill)
         self._left += 1
@@ -437,11 +421,6 @@ class DeferredReads:
         try:
             for fill in self._fills:
                 if self._claim(fill):
-                    if _EXITING.is_set():  # not read: whoever waits for it gets an error, not a hang
-                        fill.error = _err(self.path, fill.key, "not read: the process is exiting")
-                        fill.buffer = None
-                        fill.done.set()
-                        continue
                     self._read(fill)
             self._fills = []
         finally:
@@ -456,6 +435,8 @@ class DeferredReads:
         try:
             if self._failed is not None:  # an earlier tensor found the file changed: nothing after it is read
                 fill.error = _err(self.path, fill.key, f"not read: {self._failed}")
+            elif _EXITING.is_set():  # not read: whoever still waits for it gets an error, not a hang
+                fill.error = _err(self.path, fill.key, "not read: the process is exiting")
             else:
                 self._read_into(fill)
         except FormatError as exc:  # names this tensor's key

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_engram.common import huge_pages
 from fp8_engram.quant import ComputeConfig, formats, safetensors_file
 from fp8_engram.quant.tensor import QuantizedTensor
 from helpers import fp8_files
@@ -209,66 +208,6 @@ def test_only_tensors_over_the_tensor_threshold_are_read_in_the_background(model
     assert safetensors_file.background_reads_done(timeout=30)
 
 
-BUDDYINFO = """Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3
-Node 0, zone    DMA32    987   1080    727    437    220    137     72     69     34     41    693
-Node 0, zone   Normal  41482  40539  30851  17992  27653  18598   8558   4082   1357     14    331
-"""
-
-
-def test_free_block_bytes_counts_blocks_of_a_huge_page_and_more():
-    page = 4096
-    want = sum(n * (page << order) for zone in ([1, 1, 3], [34, 41, 693], [1357, 14, 331])
-               for order, n in zip((8, 9, 10), zone) if order >= 9)
-    assert huge_pages.free_block_bytes(BUDDYINFO, 9, page) == want
-    assert huge_pages.free_block_bytes(BUDDYINFO, 11, page) == 0
-    assert huge_pages.free_block_bytes("garbage\nNode 0, zone\n", 9, page) == 0
-
-
-def test_huge_pages_grant_half_the_room_in_whole_buffers(monkeypatch):
-    monkeypatch.setattr(huge_pages, "AVAILABLE", True)
-    monkeypatch.setattr(huge_pages, "huge_page_room", lambda: 20 << 20)
-    huge = huge_pages.HugePages()
-    assert not huge.take(huge_pages.HUGE_PAGE_MIN_BYTES - 1)  # small buffers never ask
-    assert huge.take(6 << 20) and huge.left == 4 << 20  # half of 20 MiB, less 6
-    assert not huge.take(5 << 20) and huge.left == 4 << 20  # in full or not at all
-    assert huge.take(4 << 20) and huge.left == 0
-    monkeypatch.setattr(huge_pages, "huge_page_room", lambda: 0)  # THP "never", no free block
-    assert not huge_pages.HugePages().take(4 << 20)
-
-
-def test_buffers_granted_huge_pages_are_advised_so_and_read_the_same(model_file, monkeypatch):
-    """Where a load's budget grants them, the read buffers' memory is marked MADV_HUGEPAGE (whole huge pages of it)
-    before it is filled; the bytes loaded are the same. (The kernel's answer is not checked: THP may be off here.)"""
-    advised = []
-    monkeypatch.setattr(huge_pages, "HUGE_PAGE_MIN_BYTES", 0)
-    monkeypatch.setattr(huge_pages, "AVAILABLE", True)
-    monkeypatch.setattr(huge_pages, "huge_page_room", lambda: 1 << 40)
-    monkeypatch.setattr(huge_pages, "advise", lambda addr, n: advised.append((addr, n)))
-    sd, _ = formats.load_file(model_file, defer=True)
-    assert safetensors_file.background_reads_done(timeout=30)
-    eager, _ = formats.load_file(model_file, defer=False)
-    tensors = {k: v for k, v in sd.items() if _bytes(v).numel()}
-    assert tensors and all(torch.equal(_bytes(v), _bytes(eager[k])) for k, v in tensors.items())
-    assert {a for a, _ in advised} >= {_bytes(v).data_ptr() for v in tensors.values()}
-    monkeypatch.setattr(huge_pages, "huge_page_room", lambda: 0)
-    advised.clear()
-    formats.load_file(model_file, defer=True)
-    assert safetensors_file.background_reads_done(timeout=30) and advised == []
-
-
-def test_advising_marks_only_the_whole_huge_pages_of_a_buffer(monkeypatch):
-    calls = []
-    monkeypatch.setattr(huge_pages, "_madvise", lambda addr, n, advice: calls.append((addr, n)) or 0)
-    monkeypatch.setattr(huge_pages, "_HUGE_SIZE", 2 << 20)
-    monkeypatch.setattr(huge_pages, "AVAILABLE", True)
-    size = 2 << 20
-    huge_pages.advise(size + 4096, 5 * size)  # from inside page 1 to inside page 6
-    assert calls == [(2 * size, 4 * size)]
-    calls.clear()
-    huge_pages.advise(size + 4096, size)  # no whole huge page
-    assert calls == []
-
-
 def test_at_exit_reading_threads_stop_after_their_tensor(model_file, monkeypatch):
     """What runs at exit (``_stop_background_reads``): a thread reading ends after the tensor it reads, leaves the
     rest unread with an error for anyone still waiting, and ends before the interpreter's teardown."""
@@ -292,3 +231,4 @@ def test_at_exit_reading_threads_stop_after_their_tensor(model_file, monkeypatch
     assert all(f.done.is_set() for f in fills)
     read_ok = [f for f in fills if f.error is None]
     assert len(read_ok) == 1 and all("the process is exiting" in str(f.error) for f in fills if f.error is not None)
+    assert _open_fds(model_file) == 0  # closed all the same
