@@ -36,9 +36,14 @@ from ..tensor import QuantizedTensor
 logger = logging.getLogger(__name__)
 
 __all__ = ["int8_supported", "int8_fast", "int8_available", "to_int8", "to_int8_in_place", "int8_linear",
-           "default_rotation", "conversion_sqnr_db", "is_int8", "ROTATION_BLOCK"]
+           "default_rotation", "conversion_sqnr_db", "is_int8", "ROTATION_BLOCK", "CPU_ROTATION_BLOCK"]
 
 ROTATION_BLOCK = 128
+# On the CPU, 256 where it divides K: converted by its Kronecker factors (16 x 16, 32 multiply-adds an element against
+# the 128-block's dense 128), a 12288 x 3072 Flux layer converts in 0.068-0.077 s against 0.098 and comes out 1.1 dB
+# closer to its FP8 weight (41.3 against 40.0 dB, a Gaussian weight with outlier input channels; 2-core AMD EPYC Zen
+# 5). GPUs keep 128: the fused Triton activation quantizer holds a 128-block in shared memory, not a 256 one.
+CPU_ROTATION_BLOCK = 256
 _cuda_ok: dict = {}
 
 
@@ -103,8 +108,11 @@ def is_int8(w) -> bool:
     return isinstance(w, QuantizedTensor) and w.layout.family == "int8"
 
 
-def default_rotation(in_features: int) -> int:
-    """The rotation block the path uses unless told otherwise: 128 where it divides K, else none."""
+def default_rotation(in_features: int, device=None) -> int:
+    """The rotation block the path uses unless told otherwise: on the CPU ``CPU_ROTATION_BLOCK`` where it divides
+    K, else (and elsewhere) ``ROTATION_BLOCK`` where it divides K, else none."""
+    if device is not None and torch.device(device).type == "cpu" and in_features % CPU_ROTATION_BLOCK == 0:
+        return CPU_ROTATION_BLOCK
     return ROTATION_BLOCK if in_features % ROTATION_BLOCK == 0 else 0
 
 
@@ -125,7 +133,8 @@ def to_int8(w: torch.Tensor, rotation: int | None = None, *, config=None) -> Qua
         orig, cfg = w.dtype, config
     orig = _logical_dtype(orig)
     shape = tuple(w.qdata.shape) if isinstance(w, QuantizedTensor) else tuple(w.shape)
-    rot = default_rotation(shape[1]) if rotation is None else int(rotation)
+    device = w.qdata.device if isinstance(w, QuantizedTensor) else w.device
+    rot = default_rotation(shape[1], device) if rotation is None else int(rotation)
     layout = Int8(per_row=True, rotation=rot)
     with torch.no_grad():
         rows = _fp8_rows(w)
@@ -154,7 +163,7 @@ def to_int8_in_place(w: QuantizedTensor, rotation: int | None = None, *, config=
     if rows is None:
         return None
     shape = tuple(w.qdata.shape)
-    rot = default_rotation(shape[1]) if rotation is None else int(rotation)
+    rot = default_rotation(shape[1], w.qdata.device) if rotation is None else int(rotation)
     largest = float(w.scale.to(torch.float32).abs().max()) * torch.finfo(w.qdata.dtype).max * math.sqrt(max(rot, 1))
     if not math.isfinite(largest) or largest * 4 > torch.finfo(torch.float32).max:
         return None

@@ -144,3 +144,40 @@ def test_the_factored_rotation_is_the_dense_one_within_float32_rounding(block, r
     assert float((got.double() - want).abs().max()) <= 64 * 2.0 ** -24 * float(want.abs().max())
     inplace = x.clone()  # into its own input, through a scratch buffer: the chunked conversion's use
     assert torch.equal(lint8.rotate_factored(inplace, block, regular, out=inplace, scratch=torch.empty_like(x)), got)
+
+
+@pytest.mark.parametrize("k,want", [(3072, 256), (384, 128), (96, 0)])
+def test_a_cpu_conversion_rotates_by_256_where_it_divides_k_and_128_elsewhere(k, want):
+    """CPU conversions take the larger block (faster by its Kronecker factors, and closer to the FP8 weight); other
+    devices keep 128, which the GPUs' fused activation quantizer holds (the rule is asked for CUDA by name: it needs
+    no GPU)."""
+    assert qint8.default_rotation(k, "cpu") == want
+    assert qint8.default_rotation(k, "cuda") == (128 if k % 128 == 0 else 0)
+    w = QuantizedTensor.from_float(torch.randn(16, k, generator=torch.Generator().manual_seed(k)), PerTensor())
+    assert qint8.to_int8(w).layout.rotation == want
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_256_block_converts_closer_to_the_weight_than_128(seed):
+    """Measured here: 0.7-1.2 dB closer on such weights (1024 x 3072, Gaussian with outlier input channels)."""
+    g = torch.Generator().manual_seed(seed)
+    wf = torch.randn(1024, 3072, generator=g) * 0.02
+    wf[:, torch.randint(0, 3072, (8,), generator=g)] *= 20.0  # outlier input channels
+    w = QuantizedTensor.from_float(wf, PerTensor())
+    ref = w.dequantize(torch.float64)
+
+    def db(w8):
+        d = w8.dequantize(torch.float64)
+        return float(10 * torch.log10((ref ** 2).sum() / ((ref - d) ** 2).sum()))
+
+    assert db(qint8.to_int8(w, 256)) > db(qint8.to_int8(w, 128)) + 0.3
+
+
+@pytest.mark.parametrize("block,regular", [(128, False), (256, False), (256, True), (1024, False)])
+def test_activation_rotation_on_the_cpu_is_the_dense_product_within_float32_rounding(block, regular):
+    g = torch.Generator().manual_seed(block)
+    x = torch.randn(2, 5, 2 * block, generator=g).to(torch.bfloat16)
+    want = (x.double().reshape(10, 2, block) @ hadamard(block, regular).double()).reshape(x.shape)
+    got = lint8.rotate(x, block, regular)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    assert float((got.double() - want).abs().max()) <= 64 * 2.0 ** -24 * float(want.abs().max())
