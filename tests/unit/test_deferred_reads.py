@@ -111,7 +111,8 @@ def test_the_background_thread_reads_everything_without_a_use(model_file):
     assert all(torch.equal(_bytes(v), _bytes(eager[k])) for k, v in sd.items())
 
 
-def test_background_reads_done_waits_for_every_reading_thread(model_file, monkeypatch):
+def _hold_reads(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(gate, started): every read waits for ``gate``; ``started`` is set when the first one does."""
     gate, started = threading.Event(), threading.Event()
     read = safetensors_file.DeferredReads._read_into
 
@@ -121,6 +122,11 @@ def test_background_reads_done_waits_for_every_reading_thread(model_file, monkey
         read(self, fill)
 
     monkeypatch.setattr(safetensors_file.DeferredReads, "_read_into", held_read)
+    return gate, started
+
+
+def test_background_reads_done_waits_for_every_reading_thread(model_file, monkeypatch):
+    gate, started = _hold_reads(monkeypatch)
     sd, _ = formats.load_file(model_file, defer=True)  # returns while its thread is held in its first read
     assert started.wait(30)
     assert not safetensors_file.background_reads_done(timeout=0.05)
@@ -211,15 +217,7 @@ def test_only_tensors_over_the_tensor_threshold_are_read_in_the_background(model
 def test_at_exit_reading_threads_stop_after_their_tensor(model_file, monkeypatch):
     """What runs at exit (``_stop_background_reads``): a thread reading ends after the tensor it reads, leaves the
     rest unread with an error for anyone still waiting, and ends before the interpreter's teardown."""
-    gate, started = threading.Event(), threading.Event()
-    read = safetensors_file.DeferredReads._read_into
-
-    def held_read(self, fill):
-        started.set()
-        assert gate.wait(30)
-        read(self, fill)
-
-    monkeypatch.setattr(safetensors_file.DeferredReads, "_read_into", held_read)
+    gate, started = _hold_reads(monkeypatch)
     monkeypatch.setattr(safetensors_file, "_EXITING", threading.Event())
     sd, _ = formats.load_file(model_file, defer=True)
     assert started.wait(30)
