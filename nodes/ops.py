@@ -117,8 +117,12 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                             w = w.with_config(FP8Ops.fp8_config)
                         if (FP8Ops.int8_convert and w.config.path != "weight_only" and w.qdata.dim() == 2
                                 and not quant_int8.is_int8(w)):
+                            # the block of the device it will compute on (a GPU model's weights load on the CPU)
+                            compute_device = comfy.model_management.get_torch_device()
+                            rot = (quant_int8.default_rotation(w.qdata.shape[1], compute_device)
+                                   if w.config.int8_rotation else 0)
                             try:
-                                w8 = quant_int8.to_int8(w, None if w.config.int8_rotation else 0)
+                                w8 = quant_int8.to_int8(w, rot)
                             except QuantizationError as exc:
                                 # e.g. scales so near float32's range that the rotated weight overflows
                                 where = f"{FP8Ops.fp8_source}: " if FP8Ops.fp8_source else ""

@@ -90,13 +90,14 @@ def _gather_pairs(q: torch.Tensor, table: torch.Tensor, into: torch.Tensor) -> N
 # wider format's subnormals, same ratio): e4m3fn gives its value times 2**-8 as a float16, times 2**-120 as a
 # bfloat16 or float32 (their exponent range); e5m2 is the high byte of a float16 (same bias, inf and NaN included),
 # and its value times 2**-112 as a bfloat16 or float32. So per element: the byte sign-extended to the result's
-# width, a shift, a mask, then one multiply in float32 by the scale times that power of two (exact: a power of two), rounded once into the result - the same bits as the tables'
-# "convert, then multiply in float32" (a float16 or bfloat16 tensor times a float32 0-d tensor is computed in
-# float32 on the CPU: the element widened, the scalar kept float32, one rounding). A code whose bits the shifted
-# view cannot stand for (e4m3fn's NaN codes 0x7F and 0xFF; e5m2's inf and NaN outside float16) sends its chunk to
-# the tables. Chunks stay in cache. Per element, 2-core AMD EPYC Zen 5 (AVX-512), 38M e4m3fn elements, the NaN
-# check included: bfloat16 0.16 ns against the scaled table's 0.45; float32 0.23-0.25 against 0.54 (and 0.25 by
-# the float16 bits widened, which this replaces: a pass more).
+# width, a shift, a mask (in a reused buffer, in cache), then one multiply in float32 by the scale times that power
+# of two (exact: a power of two) into the result, rounded once - the same bits as the tables' "convert, then
+# multiply in float32" (a float16 or bfloat16 tensor times a float32 0-d tensor is computed in float32 on the CPU:
+# the element widened, the scalar kept float32, one rounding). A code whose bits the shifted view cannot stand for
+# (e4m3fn's NaN codes 0x7F and 0xFF; e5m2's inf and NaN outside float16) sends its chunk to the tables. Chunks
+# stay in cache. Per element, 2-core AMD EPYC Zen 5 (AVX-512), 38M e4m3fn elements, the NaN check included:
+# bfloat16 0.16 ns against the scaled table's 0.45; float32 0.23-0.25 against 0.54 (and 0.25 by the float16 bits
+# widened, which this replaces: a pass more).
 _SHIFT_MIN_NUMEL = 1 << 14
 _SHIFT_CHUNK_ELEMS = 1 << 20
 _INT = {2: torch.int16, 4: torch.int32}

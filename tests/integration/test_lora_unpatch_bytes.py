@@ -76,6 +76,23 @@ def test_int8_load_converts_every_fp8_layer_and_reports_its_sqnr(comfy_modules, 
         assert abs(got - db) < (0.5 if sampled else 0.05), (name, got, db)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_int8_load_rotates_by_the_block_of_the_device_it_will_compute_on(comfy_modules, fp8_files, monkeypatch,
+                                                                             device):
+    """A GPU model's weights are converted on the CPU at load but rotated by the GPU's block, 128 (the one its
+    fused quantizer holds); a CPU model's by 256 where that divides the layer's input width. Only ComfyUI's
+    compute device is named "cuda" here (no GPU is used: the weights stay on the CPU)."""
+    import comfy.model_management
+    from fp8_engram.quant.compute.int8 import is_int8
+
+    monkeypatch.setattr(comfy.model_management, "get_torch_device", lambda: torch.device(device))
+    model, _, _ = _load(comfy_modules, fp8_files["int8"], "int8")
+    weights = [m.weight for m in model.model.diffusion_model.modules() if is_int8(getattr(m, "weight", None))]
+    want = [256 if device == "cpu" and w.qdata.shape[1] % 256 == 0 else 128 for w in weights]
+    assert weights and [w.layout.rotation for w in weights] == want
+    assert (256 in want) == (device == "cpu")  # the tiny model has layers 256 divides
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["replace", "inplace"])
 @pytest.mark.parametrize("mode", ["inference_mode", "grad_mode"])
 @pytest.mark.parametrize("kind", list(KINDS))
