@@ -424,16 +424,8 @@ def count_widened_size(patcher) -> int:
         if target is not None and isinstance(w, torch.Tensor) and w.dtype != target:
             extra += w.numel() * (target.itemsize - w.element_size())
     if extra:
-        patcher.size = _module_size(model) + extra
+        patcher.size = comfy.model_management.module_size(model) + extra
     return extra
-
-
-def _module_size(model: torch.nn.Module) -> int:
-    """``comfy.model_management.module_size``'s figure (every state dict entry's elements times their size) from
-    the state dict's own tensors (``keep_vars``): the same numbers without a detached copy of each weight (each
-    FP8 weight's detach builds a QuantizedTensor: 2 of a small model's 11 ms load)."""
-    return sum(t.nelement() * t.element_size() for t in model.state_dict(keep_vars=True).values()
-               if isinstance(t, torch.Tensor))
 
 
 __all__ = ["make_fp8_ops", "move_quantized", "release_workspace_on_unload", "count_widened_size"]
