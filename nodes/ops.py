@@ -342,8 +342,8 @@ def _widens_later(w: torch.Tensor, dtype: torch.dtype, device) -> bool:
 def _widen_at_first_call(layer, w: torch.Tensor, input: torch.Tensor) -> None:
     """Widen `layer`'s kept weight (not yet in its model's dtype: the caller checks) once, at its first call on
     the CPU, so later calls pay no cast. The weight stays as it is (cast per call by ComfyUI's manual cast, as
-    stock casts a kept layer) under torch.compile (no module state changes in a graph), with weight patches applied per call
-    (lowvram), or while it is on another device. A weight ComfyUI's patcher patched keeps its patched
+    stock casts a kept layer) under torch.compile (no module state changes in a graph), with weight patches
+    applied per call (lowvram), or while it is on another device. A weight ComfyUI's patcher patched keeps its patched
     values: the widened copy is made from the weight the layer holds now, and unpatching puts back the
     patcher's own backup, which is widened again at its next call."""
     if torch.compiler.is_compiling() or w.device.type != "cpu" or input.device.type != "cpu":

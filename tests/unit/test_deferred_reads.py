@@ -223,9 +223,12 @@ def test_at_exit_reading_threads_stop_after_their_tensor(model_file, monkeypatch
     assert started.wait(30)
     fills = [v.__dict__["_pending_codes"][1] for v in sd.values() if isinstance(v, QuantizedTensor)]
     assert len(fills) > 1
-    threading.Timer(0.2, gate.set).start()
-    safetensors_file._stop_background_reads()  # sets _EXITING, then waits for the thread
-    assert not safetensors_file._ACTIVE
+    stopper = threading.Thread(target=safetensors_file._stop_background_reads)  # sets _EXITING, waits for the thread
+    stopper.start()
+    assert safetensors_file._EXITING.wait(30)  # raised while the first read is still held
+    gate.set()
+    stopper.join(30)
+    assert not stopper.is_alive() and not safetensors_file._ACTIVE
     assert all(f.done.is_set() for f in fills)
     read_ok = [f for f in fills if f.error is None]
     assert len(read_ok) == 1 and all("the process is exiting" in str(f.error) for f in fills if f.error is not None)
