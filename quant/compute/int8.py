@@ -35,7 +35,7 @@ from ..tensor import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["int8_supported", "int8_fast", "int8_available", "to_int8", "to_int8_in_place", "int8_linear",
+__all__ = ["fp8_rows", "int8_supported", "int8_fast", "int8_available", "to_int8", "to_int8_in_place", "int8_linear",
            "default_rotation", "conversion_sqnr_db", "is_int8", "ROTATION_BLOCK", "CPU_ROTATION_BLOCK"]
 
 ROTATION_BLOCK = 128
@@ -137,7 +137,7 @@ def to_int8(w: torch.Tensor, rotation: int | None = None, *, config=None) -> Qua
     rot = default_rotation(shape[1], device) if rotation is None else int(rotation)
     layout = Int8(per_row=True, rotation=rot)
     with torch.no_grad():
-        rows = _fp8_rows(w)
+        rows = fp8_rows(w)
         if rows is not None:  # on the CPU: decoded, rotated and rounded a cache-sized chunk of rows at a time
             q, scale = layout.quantize_rows(shape, rows[1], align=rows[0])
         else:
@@ -159,7 +159,7 @@ def to_int8_in_place(w: QuantizedTensor, rotation: int | None = None, *, config=
     if (not isinstance(w, QuantizedTensor) or w.layout.family != "fp8" or w.transposed or w.qdata.dim() != 2
             or not w.qdata.is_contiguous() or not _codes_unshared(w)):
         return None
-    rows = _fp8_rows(w)
+    rows = fp8_rows(w)
     if rows is None:
         return None
     shape = tuple(w.qdata.shape)
@@ -195,11 +195,11 @@ def _logical_dtype(orig: torch.dtype) -> torch.dtype:
     return orig if orig in (torch.bfloat16, torch.float16, torch.float32, torch.float64) else torch.bfloat16
 
 
-def _fp8_rows(w):
-    """``(align, fill)`` for ``Int8.quantize_rows``: ``fill(i, j, out)`` writes rows ``i:j`` of a CPU FP8 weight
-    with one scale per tensor, row or block, dequantized to float32 exactly as ``w.dequantize(torch.float32)``
-    does (``float32(q) * scale``, the scale expanded over its block); ``align`` is the block's rows. None for
-    other weights (float ones are chunked by ``Int8.quantize`` itself) and off the CPU."""
+def fp8_rows(w):
+    """``(align, fill)`` for ``Int8.quantize_rows`` and weight-only's row blocks: ``fill(i, j, out)`` writes rows
+    ``i:j`` of a CPU FP8 weight with one scale per tensor, row or block, dequantized to float32 exactly as
+    ``w.dequantize(torch.float32)`` does (``float32(q) * scale``, the scale expanded over its block); ``align`` is
+    the block's rows. None for other weights (float ones are chunked by ``Int8.quantize`` itself) and off the CPU."""
     if not isinstance(w, QuantizedTensor) or w.layout.family != "fp8" or w.qdata.device.type != "cpu" or tracing():
         return None
     shape = tuple(w.qdata.shape)
@@ -212,8 +212,7 @@ def _fp8_rows(w):
         s = s.reshape(())
 
         def fill(i, j, out):
-            fp8_to(q[i:j], torch.float32, None, out)
-            out.mul_(s)
+            fp8_to(q[i:j], torch.float32, s, out)  # the scale's multiply in the decoding's own pass (same bits)
     else:
         s = s.reshape(-(-shape[0] // r), -1)
 

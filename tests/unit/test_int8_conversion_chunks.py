@@ -86,7 +86,7 @@ def test_float_weights_quantize_in_chunks_like_the_whole_weight(block, regular, 
 def test_block_scaled_chunks_start_on_a_block_row():
     fp8 = fp8_weight(40, 256, Block(16, 128))
     seen = []
-    fill = qint8._fp8_rows(fp8)[1]
+    fill = qint8.fp8_rows(fp8)[1]
     Int8(True, 128).quantize_rows((40, 256), lambda i, j, out: (seen.append((i, j)), fill(i, j, out)),
                                   align=16, chunk_elems=256 * 20)
     assert seen == [(0, 16), (16, 32), (32, 40)]  # 20 rows a chunk asked, 16 (the block) given

@@ -126,3 +126,78 @@ def test_unscaled_small_chunks_take_the_kept_table_with_the_same_bits(fp8, dtype
         layouts.fp8._tables.clear()
         layouts.fp8_to(pairs[:4096], dtype)
     assert not layouts.fp8._tables[(fp8, dtype)].is_inference()
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Weight-only's row blocks at 16 rows of 1024 (instead of 1 Mi elements), so small weights take them; a verdict
+    table of this test's own. Returns that table."""
+    from fp8_engram.quant.compute.paths import plain
+
+    verdicts: dict = {}
+    monkeypatch.setattr(plain, "BLOCK_ELEMS", 1 << 14)
+    monkeypatch.setattr(plain, "blocked_same_bits", verdicts)
+    return verdicts
+
+
+def _blocked_linear(x, w, bias=None):
+    with torch.inference_mode():
+        return linear(x, w, bias, WEIGHT_ONLY)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("rows", [1, 20, 128])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_few_rows_in_float32_go_by_row_blocks_with_the_whole_gemms_bits(small_blocks, layout, rows, with_bias):
+    w = _qt(layout, out_f=1000, in_f=1024, seed=rows)  # 1000 rows: blocks of 16 (128 for a 128-row block) and a tail
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(rows, 1024, generator=g)
+    bias = torch.randn(1000, generator=g) if with_bias else None
+    runtime.release_workspace()
+    first = _blocked_linear(x, w, bias)  # the first call of the shape: checked against the whole form
+    assert "weight_only_block" in {name for name, _ in runtime._workspace.bufs}
+    again = _blocked_linear(x, w, bias)
+    want = F.linear(x, w.dequantize(torch.float32), bias)
+    assert torch.equal(first, want) and torch.equal(again, want)
+    assert list(small_blocks.values()) == [True]
+
+
+def test_a_shape_whose_blocks_sum_otherwise_keeps_the_whole_gemm(small_blocks, monkeypatch):
+    """A BLAS whose block products differ from its whole GEMM (none here does: a block product nudged by one ulp
+    stands in for it) must not change a result: the first call returns the whole form's and the shape keeps it."""
+    real_mm, blocks = torch.mm, []
+
+    def nudged(a, b, *, out):
+        blocks.append(a.shape[0])
+        real_mm(a, b, out=out)
+        return out.copy_(torch.nextafter(out, torch.full_like(out, float("inf"))))
+
+    monkeypatch.setattr(torch, "mm", nudged)
+    w = _qt(PerTensor(), out_f=512, in_f=1024)
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(10))
+    want = F.linear(x, w.dequantize(torch.float32))
+    assert torch.equal(_blocked_linear(x, w), want)
+    assert len(blocks) == 32 and list(small_blocks.values()) == [False]
+    assert torch.equal(_blocked_linear(x, w), want)
+    assert len(blocks) == 32  # not tried again
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "many-rows", "autograd"])
+def test_calls_the_blocks_do_not_serve_take_the_whole_weight(small_blocks, case):
+    from fp8_engram.quant.compute.paths import plain
+
+    w = _qt(PerRow(), out_f=512, in_f=1024)
+    rows = plain.BLOCKED_MAX_ROWS + 1 if case == "many-rows" else 4
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(11))
+    if case == "bfloat16":
+        y, want = _blocked_linear(x.bfloat16(), w), F.linear(x.bfloat16(), w.dequantize(torch.bfloat16))
+    elif case == "autograd":
+        x.requires_grad_(True)
+        y = linear(x, w, None, WEIGHT_ONLY)
+        want = F.linear(x.detach(), w.dequantize(torch.float32))
+        y.sum().backward()
+        assert x.grad is not None
+    else:
+        y, want = _blocked_linear(x, w), F.linear(x, w.dequantize(torch.float32))
+    assert torch.equal(y.detach(), want)
+    assert small_blocks == {}
