@@ -2,9 +2,11 @@
 
 Per shape (default Flux's 3072->12288, 12288->3072 and 3072->3072 at 20 tokens): ``F.linear`` on the
 full-precision weight in ``--dtype`` ("dense": the floor; bf16 by default, float32 is what ComfyUI computes in on
-the CPU), the pack's weight-only linear on the FP8 weight (dequantizes the whole
-weight at every call), and the same with ``ComputeConfig(dequant_cache_bytes=...)`` (the dequantized weight
-kept on the weight after the first call). The outputs of both weight-only variants are checked bit-equal.
+the CPU), the pack's weight-only linear on the FP8 weight (dequantizes the weight at every call: in float32 by
+row blocks that stay in cache, ``quant/compute/paths/plain.py``), the same with the row blocks off ("whole": the
+whole weight dequantized, then one GEMM; the same as weight-only in bf16), and the same with
+``ComputeConfig(dequant_cache_bytes=...)`` (the dequantized weight kept on the weight after the first call). The
+outputs of the three weight-only variants are checked bit-equal.
 Statistic: the best of ``--repeats`` interleaved rounds of ``--calls`` calls each, in milliseconds a call,
 under ``inference_mode`` as ComfyUI runs nodes.
 
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / ".host" / "pkg"))
 
 from fp8_engram.quant import ComputeConfig, PerTensor, QuantizedTensor, linear  # noqa: E402
+from fp8_engram.quant.compute.paths import plain as plain_path  # noqa: E402
 from fp8_engram.quant.runtime import DEQUANT_COPIES  # noqa: E402
 
 DEFAULT_SHAPES = "3072x12288,12288x3072,3072x3072"  # in x out
@@ -47,6 +50,17 @@ def best_ms(fns: dict, repeats: int, calls: int) -> dict:
                 fn()
             best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e3)
     return best
+
+
+def whole(fn):
+    """``fn`` with weight-only's row blocks off: the whole weight dequantized, then one GEMM."""
+    def run():
+        saved, plain_path.BLOCKED_MAX_ROWS = plain_path.BLOCKED_MAX_ROWS, -1
+        try:
+            return fn()
+        finally:
+            plain_path.BLOCKED_MAX_ROWS = saved
+    return run
 
 
 def main() -> int:
@@ -72,21 +86,24 @@ def main() -> int:
             x = torch.randn(args.tokens, k, generator=g).to(dtype)
             qt = QuantizedTensor.from_float(w, PerTensor(), config=plain)
             qk = qt.with_config(kept)
-            same = torch.equal(linear(x, qt), linear(x, qk))
+            y = linear(x, qt)
+            same = torch.equal(y, linear(x, qk)) and torch.equal(y, whole(lambda: linear(x, qt))())
             ms = best_ms({"dense": lambda: F.linear(x, w), "weight_only": lambda: linear(x, qt),
+                          "weight_only_whole": whole(lambda: linear(x, qt)),
                           "weight_only_kept": lambda: linear(x, qk)}, args.repeats, args.calls)
             rows.append({"shape": f"{args.tokens}x{k}->{n}", **{key: round(v, 3) for key, v in ms.items()},
                          "weight_only_vs_dense": round(ms["weight_only"] / ms["dense"], 2),
+                         "whole_vs_dense": round(ms["weight_only_whole"] / ms["dense"], 2),
                          "kept_vs_dense": round(ms["weight_only_kept"] / ms["dense"], 2),
                          "kept_vs_weight_only": round(ms["weight_only_kept"] / ms["weight_only"], 3),
                          "bit_equal": same, "kept_bytes": DEQUANT_COPIES.bytes})
             del qt, qk
-    print(f"{'shape':<18}{'dense ms':>9}{'w-only ms':>11}{'kept ms':>9}{'w-only/dense':>14}{'kept/dense':>12}"
-          f"{'kept/w-only':>13}  equal   ({args.dtype})")
+    print(f"{'shape':<18}{'dense ms':>9}{'w-only ms':>11}{'whole ms':>10}{'kept ms':>9}{'w-only/dense':>14}"
+          f"{'whole/dense':>13}{'kept/dense':>12}{'kept/w-only':>13}  equal   ({args.dtype})")
     for r in rows:
-        print(f"{r['shape']:<18}{r['dense']:>9.3f}{r['weight_only']:>11.3f}{r['weight_only_kept']:>9.3f}"
-              f"{r['weight_only_vs_dense']:>14.2f}{r['kept_vs_dense']:>12.2f}{r['kept_vs_weight_only']:>13.3f}"
-              f"  {r['bit_equal']}")
+        print(f"{r['shape']:<18}{r['dense']:>9.3f}{r['weight_only']:>11.3f}{r['weight_only_whole']:>10.3f}"
+              f"{r['weight_only_kept']:>9.3f}{r['weight_only_vs_dense']:>14.2f}{r['whole_vs_dense']:>13.2f}"
+              f"{r['kept_vs_dense']:>12.2f}{r['kept_vs_weight_only']:>13.3f}  {r['bit_equal']}")
     print(json.dumps({"bench": "dequant_copies", "dtype": args.dtype, "tokens": args.tokens,
                       "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "repeats": args.repeats,
                       "calls": args.calls, "torch": torch.__version__, "rows": rows}))
