@@ -201,3 +201,41 @@ def test_calls_the_blocks_do_not_serve_take_the_whole_weight(small_blocks, case)
         y, want = _blocked_linear(x, w), F.linear(x, w.dequantize(torch.float32))
     assert torch.equal(y.detach(), want)
     assert small_blocks == {}
+
+
+
+def test_an_activation_of_another_alignment_is_checked_on_its_own(small_blocks):
+    """A BLAS may pick its kernel by the operands' alignment, so an activation 4 bytes off a 64-byte boundary (a
+    view into a larger buffer) gets a verdict of its own; whatever it is, every call gives the whole GEMM's bits."""
+    w = _qt(PerRow(), out_f=512, in_f=1024)
+    g = torch.Generator().manual_seed(12)
+    aligned = torch.randn(20, 1024, generator=g)
+    shifted = torch.randn(20 * 1024 + 1, generator=g)[1:].view(20, 1024)
+    assert aligned.data_ptr() % 64 == 0 and shifted.data_ptr() % 64 == 4
+    for _ in range(2):  # the first call of each decides, the second follows the verdict
+        for x in (aligned, shifted):
+            assert torch.equal(_blocked_linear(x, w), F.linear(x, w.dequantize(torch.float32)))
+    assert sorted(key[6] for key in small_blocks) == [0, 4]
+    assert small_blocks[next(key for key in small_blocks if key[6] == 0)] is True
+
+
+@pytest.mark.parametrize("rows", [2, 8, 11])
+def test_row_counts_the_blas_sums_otherwise_by_blocks_keep_the_whole_gemm(small_blocks, monkeypatch, rows):
+    """The real BLAS, no stand-in: MKL sums W @ x.T by blocks otherwise than x @ W.T whole for 2-11 rows (on the
+    machine this was written on). Whatever this one does, the results are the whole GEMM's, and a shape whose
+    verdict is "differs" is not run by blocks again."""
+    real_mm, blocks = torch.mm, []
+
+    def counted(*args, **kwargs):
+        blocks.append(1)
+        return real_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", counted)  # counts the block products, computes them as they are
+    w = _qt(PerTensor(), out_f=512, in_f=1024)
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(13))
+    want = F.linear(x, w.dequantize(torch.float32))
+    assert torch.equal(_blocked_linear(x, w), want)
+    (verdict,) = small_blocks.values()
+    first = len(blocks)
+    assert torch.equal(_blocked_linear(x, w), want)
+    assert len(blocks) - first == (32 if verdict else 0)

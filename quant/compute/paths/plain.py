@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 BLOCKED_MAX_ROWS = 128
 BLOCK_ELEMS = 1 << 20
 BLOCK_ROW_ALIGN = 16
-# (rows, in, out, block rows, bias, x's strides, threads) -> whether the blocked form gave the whole form's bits
+# (rows, in, out, block rows, bias, x's strides and alignment, threads) -> whether the blocked form gave the whole
+# form's bits (MKL's here: the same for 1 and 12+ rows, other sums for 2-11 rows, which keep the whole form)
 blocked_same_bits: dict[tuple, bool] = {}
 
 # where a weight keeps its dequantized copy: in the weight's derived values, which every in-place write of its
@@ -186,7 +187,8 @@ def _blocked(x2d, w, bias) -> torch.Tensor | None:
     align, fill = rows_of
     (n, k), m = w.qdata.shape, x2d.shape[0]
     step = _block_rows(k, align)
-    key = (m, k, n, step, bias is not None, tuple(x2d.stride()), torch.get_num_threads())
+    # x's alignment too: a BLAS may take another kernel for another alignment (MKL documents results that vary with it)
+    key = (m, k, n, step, bias is not None, tuple(x2d.stride()), x2d.data_ptr() % 64, torch.get_num_threads())
     same = blocked_same_bits.get(key)
     if n <= step or same is False:
         return None
