@@ -16,9 +16,10 @@ block dequantized into a cache-sized buffer and multiplied while it is in cache 
 whole-W form writes W's float32 size to memory and reads it back, and at 20 rows the GEMM cannot hide that:
 a 3072 -> 12288 call, 2-core AMD EPYC Zen 5, took 27-31 ms against float32 F.linear's 18-22; by blocks 18.5-20
 (the same with torch, oneDNN and MKL capped at AVX2: 18.6 against 29.7). Blocks start on multiples of
-``BLOCK_ROW_ALIGN`` rows, where the BLAS's own panels start, so each output element is summed as in the whole
-GEMM; the first call of each shape checks that bit for bit against the whole-W form and keeps whichever gave
-the whole form's bits (``blocked_same_bits``). Pure torch; never imports ComfyUI.
+``BLOCK_ROW_ALIGN`` rows, where the BLAS's own panels start, so MKL sums each output element as in the whole GEMM
+for 1 and 12+ rows (not for 2-11: its kernel for so few columns of W @ x.T sums otherwise); the first call of each
+shape checks that bit for bit against the whole-W form and keeps whichever gave the whole form's bits
+(``blocked_same_bits``). Pure torch; never imports ComfyUI.
 """
 
 from __future__ import annotations
@@ -126,9 +127,8 @@ def drop_kept_copies(weights) -> int:
 def _dequantized(x, w, bias, cdt, stored: bool = False, budget: int = 0) -> torch.Tensor:
     """W in ``cdt`` for one product (``stored``: an int8 weight as stored, still rotated); on the CPU its kept
     copy where ``budget`` (bytes) allows one (``kept_copy``), else this thread's reusable buffer."""
-    keeps_weight = _keeps_weight(x, bias)
     dequantize = w.layout.dequantize_stored if stored else w.layout.dequantize
-    if not w.qdata.is_cpu or keeps_weight or w.transposed or w.layout.packed or tracing():
+    if not _into_buffers(x, w, bias):
         return w.dequantize(cdt) if not stored else dequantize(w.qdata, w.scale, cdt)
     kept = kept_copy(w, cdt, budget, stored) if budget else None
     if kept is not None:
@@ -164,9 +164,11 @@ class WeightOnly(Path):
         return F.linear(x2d, _dequantized(x2d, w, bias, cdt, budget=budget), bias)
 
 
-def _keeps_weight(x, bias) -> bool:
-    """Whether autograd will keep the dequantized weight of this call (then it is a tensor of its own)."""
-    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+def _into_buffers(x, w, bias) -> bool:
+    """Whether this call may dequantize W into reused (or kept) CPU buffers: a CPU weight stored plainly, outside a
+    traced graph, whose dequantized form autograd will not keep (that one must be a tensor of its own)."""
+    keeps_weight = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    return w.qdata.is_cpu and not (keeps_weight or w.transposed or w.layout.packed or tracing())
 
 
 def _block_rows(k: int, align: int) -> int:
@@ -179,7 +181,7 @@ def _blocked(x2d, w, bias) -> torch.Tensor | None:
     """``F.linear(x2d, W, bias)`` in float32 by row blocks of W (module docstring), or None where the blocked form
     does not apply (not an FP8 weight on the CPU, W of one block, autograd keeping the weight, tracing) or gave other
     bits than the whole form for this shape."""
-    if w.transposed or w.layout.packed or tracing() or _keeps_weight(x2d, bias) or not x2d.is_cpu:
+    if not x2d.is_cpu or not _into_buffers(x2d, w, bias):
         return None
     rows_of = fp8_rows(w)
     if rows_of is None:
