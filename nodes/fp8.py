@@ -38,6 +38,7 @@ import torch
 from comfy_api.latest import io
 
 from ..quant import ComputeConfig, QuantizedTensor, formats, save
+from ..quant.safetensors_file import background_reads_held
 from ..quant.compute import Book, book_for_file, default_book
 from ..quant.compute.int8 import is_int8
 from ..quant.compute.paths.int8 import dropped_fp8_form, in_fp8_form
@@ -188,8 +189,9 @@ def _progress_fn():
 def _read(folder: str, name: str, cfg: ComputeConfig):
     path = folder_paths.get_full_path_or_raise(folder, name)
     try:
-        # the FP8 codes are read in the background while ComfyUI builds the model and the prompt is encoded;
-        # each weight waits for its own at its first use (a read that failed is raised there, naming the file)
+        # the FP8 codes are read in the background once ComfyUI has built the model (the loaders hold the reads
+        # until then), while the prompt is encoded; each weight waits for its own at its first use, reading it
+        # itself where the thread has not (a read that failed is raised there, naming the file)
         sd, report = formats.load_file(path, config=cfg, progress=_progress_fn(), defer=True)
     except formats.FormatError as exc:
         raise ValueError(f"{folder}/{name}: {exc}") from exc
@@ -288,12 +290,13 @@ class LoadFP8DiffusionModel(io.ComfyNode):
     def execute(cls, unet_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
                 fast_paths=FAST_PATHS[0], dequantized_copies_gb=0.0) -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths, dequantized_copies_gb)
-        header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
-        ops = _ops(cfg, patch_rounding, f"diffusion_models/{unet_name}")
-        options = {"custom_operations": ops}
-        if cfg.compute_dtype is not None:
-            options["dtype"] = cfg.compute_dtype
-        model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, metadata=metadata)
+        with background_reads_held():  # the FP8 codes are read once the model is built, not beside the build
+            header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
+            ops = _ops(cfg, patch_rounding, f"diffusion_models/{unet_name}")
+            options = {"custom_operations": ops}
+            if cfg.compute_dtype is not None:
+                options["dtype"] = cfg.compute_dtype
+            model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, metadata=metadata)
         if model is None:
             raise ValueError(f"diffusion_models/{unet_name}: ComfyUI could not detect the model type of this file")
         _check_compute_range(model, sd, report, cfg, f"diffusion_models/{unet_name}")
@@ -326,14 +329,16 @@ class LoadFP8Checkpoint(io.ComfyNode):
     def execute(cls, ckpt_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
                 fast_paths=FAST_PATHS[0], dequantized_copies_gb=0.0) -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths, dequantized_copies_gb)
-        header, sd, report, metadata = _read("checkpoints", ckpt_name, cfg)
-        for k in list(sd):
-            if k.startswith(VAE_PREFIXES) and isinstance(sd[k], QuantizedTensor):
-                sd[k] = sd[k].dequantize()
-        ops = _ops(cfg, patch_rounding, f"checkpoints/{ckpt_name}")
-        out = comfy.sd.load_state_dict_guess_config(
-            sd, output_vae=True, output_clip=True, embedding_directory=folder_paths.get_folder_paths("embeddings"),
-            model_options={"custom_operations": ops}, te_model_options={"custom_operations": ops}, metadata=metadata)
+        with background_reads_held():
+            header, sd, report, metadata = _read("checkpoints", ckpt_name, cfg)
+            for k in list(sd):
+                if k.startswith(VAE_PREFIXES) and isinstance(sd[k], QuantizedTensor):
+                    sd[k] = sd[k].dequantize()
+            ops = _ops(cfg, patch_rounding, f"checkpoints/{ckpt_name}")
+            out = comfy.sd.load_state_dict_guess_config(
+                sd, output_vae=True, output_clip=True, embedding_directory=folder_paths.get_folder_paths("embeddings"),
+                model_options={"custom_operations": ops}, te_model_options={"custom_operations": ops},
+                metadata=metadata)
         if out is None:
             raise ValueError(f"checkpoints/{ckpt_name}: ComfyUI could not detect the model type of this file")
         _check_compute_range(out[0], sd, report, cfg, f"checkpoints/{ckpt_name}")
@@ -370,14 +375,15 @@ class LoadFP8TextEncoder(io.ComfyNode):
     def execute(cls, clip_name, type, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
                 fast_paths=FAST_PATHS[0], dequantized_copies_gb=0.0) -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths, dequantized_copies_gb)
-        header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
-        clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
-        ops = _ops(cfg, patch_rounding, f"text_encoders/{clip_name}")
-        # ComfyUI 0.33 builds a gpt-oss (Lens) encoder at gpt-oss-20b's size whatever the file holds
-        options = {"custom_operations": ops, **lens_options(sd, f"text_encoders/{clip_name}")}
-        clip = comfy.sd.load_text_encoder_state_dicts(
-            [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
-            model_options=options)
+        with background_reads_held():
+            header, sd, report, metadata = _read("text_encoders", clip_name, cfg)
+            clip_type = getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
+            ops = _ops(cfg, patch_rounding, f"text_encoders/{clip_name}")
+            # ComfyUI 0.33 builds a gpt-oss (Lens) encoder at gpt-oss-20b's size whatever the file holds
+            options = {"custom_operations": ops, **lens_options(sd, f"text_encoders/{clip_name}")}
+            clip = comfy.sd.load_text_encoder_state_dicts(
+                [sd], embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=clip_type,
+                model_options=options)
         _adopt_patcher(clip.patcher)
         return io.NodeOutput(clip, ui={"fp8_summary": [_summary(report, cfg, ops)]})
 

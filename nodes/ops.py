@@ -420,12 +420,26 @@ def count_widened_size(patcher) -> int:
         return 0
     extra = 0
     for m in model.modules():
-        target, w = getattr(m, "fp8_widen_to", None), getattr(m, "weight", None)
+        # set on the instance by the load (an nn.Module's missing attribute costs a raised AttributeError each)
+        target = m.__dict__.get("fp8_widen_to")
+        w = m._parameters.get("weight") if target is not None else None
         if target is not None and isinstance(w, torch.Tensor) and w.dtype != target:
             extra += w.numel() * (target.itemsize - w.element_size())
     if extra:
-        patcher.size = comfy.model_management.module_size(model) + extra
+        patcher.size = comfy.model_management.module_size(_AsItIs(model)) + extra
     return extra
+
+
+class _AsItIs:
+    """A module as ``comfy.model_management.module_size`` sees it, whose state dict holds its tensors as they are:
+    the same sizes by ComfyUI's own count (element sizes in 0.3.75, ``nbytes`` later) without a detached copy of
+    each (0.14 ms against 0.37 for hunyuan-dit's tiny model: each FP8 weight's detach is a subclass dispatch)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def state_dict(self):
+        return self.module.state_dict(keep_vars=True)
 
 
 __all__ = ["make_fp8_ops", "move_quantized", "release_workspace_on_unload", "count_widened_size"]

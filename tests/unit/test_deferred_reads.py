@@ -8,7 +8,8 @@ its own at its first use (quant/safetensors_file.py ``DeferredReads``, quant/ten
 - a file truncated or rewritten in place before its tensors are read gives a FormatError naming the file and
   the key where they are used, for that weight and every later one; a file renamed over the name is not read;
 - the file is closed once everything is read, and by a load that fails half way;
-- ``background_reads_done`` waits for every reading thread (the load itself never does).
+- ``background_reads_done`` waits for every reading thread (the load itself never does);
+- ``background_reads_held``: loads in the block (in its thread) start their reads when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -233,3 +234,62 @@ def test_at_exit_reading_threads_stop_after_their_tensor(model_file, monkeypatch
     read_ok = [f for f in fills if f.error is None]
     assert len(read_ok) == 1 and all("the process is exiting" in str(f.error) for f in fills if f.error is not None)
     assert _open_fds(model_file) == 0  # closed all the same
+
+
+def _fills(sd) -> dict:
+    return {k: v.__dict__["_pending_codes"][1] for k, v in sd.items() if isinstance(v, QuantizedTensor)}
+
+
+def _reads(sd) -> safetensors_file.DeferredReads:
+    return next(v.__dict__["_pending_codes"][0] for v in sd.values() if isinstance(v, QuantizedTensor))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs Linux /proc/self/fd")
+def test_held_reads_start_when_the_block_ends_and_a_weight_used_inside_reads_itself(model_file):
+    eager, _ = formats.load_file(model_file)
+    with safetensors_file.background_reads_held():
+        sd, _ = formats.load_file(model_file, defer=True)
+        fills, reads = _fills(sd), _reads(sd)
+        assert len(fills) > 1 and _open_fds(model_file) == 1
+        used = next(iter(fills))
+        assert torch.equal(_bytes(sd[used]), _bytes(eager[used]))  # read by this thread, now
+        # no thread was started (a started one is in _ACTIVE until it has read everything): nothing else is claimed
+        assert reads not in safetensors_file._ACTIVE and [k for k, f in fills.items() if f.claimed] == [used]
+    assert safetensors_file.background_reads_done(timeout=30)
+    assert all(f.done.is_set() and f.error is None for f in fills.values())
+    assert all(torch.equal(_bytes(v), _bytes(eager[k])) for k, v in sd.items())
+    assert _open_fds(model_file) == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs Linux /proc/self/fd")
+def test_held_reads_start_when_the_block_fails_and_nested_blocks_start_at_the_outermost_end(model_file, monkeypatch):
+    with pytest.raises(RuntimeError, match="model build failed"):
+        with safetensors_file.background_reads_held():
+            sd, _ = formats.load_file(model_file, defer=True)
+            raise RuntimeError("model build failed")
+    assert safetensors_file.background_reads_done(timeout=30)
+    assert all(f.done.is_set() and f.error is None for f in _fills(sd).values())
+    assert _open_fds(model_file) == 0  # the failed load's file is read and closed, not left open
+
+    gate, _ = _hold_reads(monkeypatch)  # a started thread stays in its first read (and in _ACTIVE) until the gate
+    with safetensors_file.background_reads_held():
+        with safetensors_file.background_reads_held():
+            sd, _ = formats.load_file(model_file, defer=True)
+        assert _reads(sd) not in safetensors_file._ACTIVE  # the inner block's end started nothing
+    assert _reads(sd) in safetensors_file._ACTIVE  # the outer one's did
+    gate.set()
+    assert safetensors_file.background_reads_done(timeout=30)
+    assert all(f.done.is_set() for f in _fills(sd).values())
+
+
+def test_a_hold_holds_only_its_own_threads_loads(model_file, monkeypatch):
+    gate, started = _hold_reads(monkeypatch)
+    with safetensors_file.background_reads_held():
+        loaded = {}
+        other = threading.Thread(target=lambda: loaded.update(sd=formats.load_file(model_file, defer=True)[0]))
+        other.start()
+        other.join(30)
+        assert started.wait(30)  # the other thread's load started its reads at once, inside this thread's hold
+        gate.set()
+    assert safetensors_file.background_reads_done(timeout=30)
+    assert all(f.done.is_set() and f.error is None for f in _fills(loaded["sd"]).values())
