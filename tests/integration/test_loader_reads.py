@@ -4,7 +4,8 @@ The loaders read the large FP8 tensors after they return, in a background thread
 (quant/safetensors_file.py ``DeferredReads``), and hold that thread back until ComfyUI has built the model
 (``background_reads_held``): beside the build it took the core the build's parallel copies waited for (on two
 cores hunyuan-dit's tiny model built in 5.8 ms beside it, 3.4 ms without). Shown here for Load FP8 Diffusion
-Model and Load FP8 Text Encoder, every FP8 tensor deferred (these files are small: a real load reads them at once):
+Model, Load FP8 Text Encoder and Load FP8 Checkpoint (a checkpoint of the tiny SD3, TAESD3 and CLIP-L), every FP8
+tensor deferred (these files are small: a real load reads them at once):
 
 - no background read runs while ComfyUI builds the model; they run after the node returns;
 - the model computes with the file's codes: its output equals that of a load that read everything at once.
@@ -16,13 +17,16 @@ import threading
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from helpers import fp8_files
 from helpers.host import comfy_in_process
 
 pytestmark = pytest.mark.integration
 
 UNET = "reads_sd3_fp8.safetensors"
 CLIP = "reads_clip_l_fp8.safetensors"
+CHECKPOINT = "reads_sd3_checkpoint_fp8.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +41,13 @@ def env(tiny_models_cache, tmp_path_factory):
     folder = tmp_path_factory.mktemp("loader_reads_models")
     convert_file(tiny_models_cache / "diffusion_models" / "tiny_sd3.safetensors", folder / UNET, granularity="tensor")
     convert_file(tiny_models_cache / "text_encoders" / "tiny_clip_l.safetensors", folder / CLIP, granularity="tensor")
-    folder_paths.add_model_folder_path("diffusion_models", str(folder))
-    folder_paths.add_model_folder_path("text_encoders", str(folder))
+    parts = {"model.diffusion_model.": "diffusion_models/tiny_sd3.safetensors", "first_stage_model.":
+             "vae/tiny_taesd3.safetensors", "text_encoders.clip_l.transformer.": "text_encoders/tiny_clip_l.safetensors"}
+    sd = {prefix + k: v for prefix, rel in parts.items() for k, v in load_file(str(tiny_models_cache / rel)).items()}
+    fp8_files.write_format(sd, folder / CHECKPOINT, "comfy_quant_metadata",
+                           quantize=lambda k, t: fp8_files.default_quantize(k, t) and "embed" not in k.split(".")[-2])
+    for kind in ("diffusion_models", "text_encoders", "checkpoints"):
+        folder_paths.add_model_folder_path(kind, str(folder))
     from fp8_engram.nodes import fp8 as nodes
 
     yield nodes, comfy
@@ -65,7 +74,7 @@ def watched(monkeypatch, env):
                 state["building"] = False
         return wrapper
 
-    for name in ("load_diffusion_model_state_dict", "load_text_encoder_state_dicts"):
+    for name in ("load_diffusion_model_state_dict", "load_text_encoder_state_dicts", "load_state_dict_guess_config"):
         monkeypatch.setattr(comfy.sd, name, building(getattr(comfy.sd, name)))
     read = safetensors_file.DeferredReads._read
 
@@ -123,3 +132,18 @@ def test_the_text_encoder_loader_reads_after_the_build(env, watched, monkeypatch
     monkeypatch.setattr(safetensors_file, "DEFERRED_READS", False)
     eager = nodes.LoadFP8TextEncoder.execute(CLIP, "stable_diffusion", "weight-only", "auto", "auto").result[0]
     assert torch.equal(eager.encode_from_tokens(eager.tokenize("a photograph of a red fox")), cond)
+
+
+def test_the_checkpoint_loader_reads_after_the_build(env, watched, monkeypatch):
+    from fp8_engram.quant import safetensors_file
+
+    nodes = env[0]
+    model, clip, _ = nodes.LoadFP8Checkpoint.execute(CHECKPOINT, "weight-only", "auto", "auto").result
+    assert safetensors_file.background_reads_done(timeout=30)
+    during = _background(watched)
+    assert during and not any(during), during
+    out, cond = _unet_output(env, model), clip.encode_from_tokens(clip.tokenize("a red apple"))
+    monkeypatch.setattr(safetensors_file, "DEFERRED_READS", False)
+    eager_model, eager_clip, _ = nodes.LoadFP8Checkpoint.execute(CHECKPOINT, "weight-only", "auto", "auto").result
+    assert torch.equal(_unet_output(env, eager_model), out)
+    assert torch.equal(eager_clip.encode_from_tokens(eager_clip.tokenize("a red apple")), cond)
