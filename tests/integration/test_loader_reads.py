@@ -41,8 +41,9 @@ def env(tiny_models_cache, tmp_path_factory):
     folder = tmp_path_factory.mktemp("loader_reads_models")
     convert_file(tiny_models_cache / "diffusion_models" / "tiny_sd3.safetensors", folder / UNET, granularity="tensor")
     convert_file(tiny_models_cache / "text_encoders" / "tiny_clip_l.safetensors", folder / CLIP, granularity="tensor")
-    parts = {"model.diffusion_model.": "diffusion_models/tiny_sd3.safetensors", "first_stage_model.":
-             "vae/tiny_taesd3.safetensors", "text_encoders.clip_l.transformer.": "text_encoders/tiny_clip_l.safetensors"}
+    parts = {"model.diffusion_model.": "diffusion_models/tiny_sd3.safetensors",
+             "first_stage_model.": "vae/tiny_taesd3.safetensors",
+             "text_encoders.clip_l.transformer.": "text_encoders/tiny_clip_l.safetensors"}
     sd = {prefix + k: v for prefix, rel in parts.items() for k, v in load_file(str(tiny_models_cache / rel)).items()}
     fp8_files.write_format(sd, folder / CHECKPOINT, "comfy_quant_metadata",
                            quantize=lambda k, t: fp8_files.default_quantize(k, t) and "embed" not in k.split(".")[-2])
