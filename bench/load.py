@@ -8,8 +8,9 @@ step, and peak RSS (ru_maxrss) above the process baseline measured after imports
 at the end. Targets: time ratios pack/stock <= 1.0; peak RSS above baseline <= file size x 1.15.
 
 The pack reads the file into its own memory (nothing stays mapped, so a file replaced under a loaded
-model cannot crash the server), as the loader nodes do: the FP8 codes in the background once `load_file`
-returned, each weight waiting for its own at its first use (`defer=True`), so `load s` is the header, the
+model cannot crash the server), as the loader nodes do: the FP8 codes in the background (from the load on for a file
+this large; a small one's once ComfyUI has built the model), each weight waiting for its own at its first use
+(`defer=True`), so `load s` is the header, the
 other tensors and ComfyUI's model, and the reads not done by then land in the first step; `pack_mmap` is the same loader mapping the file instead (what it did
 before, and what stock does), measured in the same run so the cost of reading shows as
 `read_vs_mmap_*` ratios. `pack` runs the node default compute path ("auto": on a CPU with VNNI/AMX the
@@ -145,8 +146,12 @@ def child(loader: str, path: str) -> None:
             cfg = {"pack_weight_only": lambda: ComputeConfig(path="weight_only"),
                    "pack_memory_first": lambda: ComputeConfig(fp8_form="drop"),
                    "pack_both_forms": lambda: ComputeConfig(fp8_form="keep")}.get(loader, ComputeConfig)()
-            sd, _ = formats.load_file(path, config=cfg, mmap=(loader == "pack_mmap"), defer=(loader != "pack_mmap"))
-            model = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": make_fp8_ops(cfg)})
+            from fp8_engram.quant.safetensors_file import background_reads_held
+
+            with background_reads_held():  # as the loader node (a file of HOLD_MAX_BYTES or more is not held)
+                sd, _ = formats.load_file(path, config=cfg, mmap=(loader == "pack_mmap"), defer=(loader != "pack_mmap"))
+                options = {"custom_operations": make_fp8_ops(cfg)}
+                model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options)
         t_load = time.perf_counter() - t0
         comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, seed=0, disable_pbar=True)
         t_first, c_first = time.perf_counter() - t0, time.process_time() - cpu0

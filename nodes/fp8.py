@@ -189,8 +189,8 @@ def _progress_fn():
 def _read(folder: str, name: str, cfg: ComputeConfig):
     path = folder_paths.get_full_path_or_raise(folder, name)
     try:
-        # the FP8 codes are read in the background once ComfyUI has built the model (the loaders hold the reads
-        # until then), while the prompt is encoded; each weight waits for its own at its first use, reading it
+        # the FP8 codes are read in the background while ComfyUI builds the model (a small file's once it has: the
+        # loaders hold them) and the prompt is encoded; each weight waits for its own at its first use, reading it
         # itself where the thread has not (a read that failed is raised there, naming the file)
         sd, report = formats.load_file(path, config=cfg, progress=_progress_fn(), defer=True)
     except formats.FormatError as exc:
@@ -290,7 +290,7 @@ class LoadFP8DiffusionModel(io.ComfyNode):
     def execute(cls, unet_name, compute_path, activation_scaling, compute_dtype, patch_rounding="nearest",
                 fast_paths=FAST_PATHS[0], dequantized_copies_gb=0.0) -> io.NodeOutput:
         cfg = _config(compute_path, activation_scaling, compute_dtype, fast_paths, dequantized_copies_gb)
-        with background_reads_held():  # the FP8 codes are read once the model is built, not beside the build
+        with background_reads_held():  # a small file's FP8 codes are read once the model is built, not beside it
             header, sd, report, metadata = _read("diffusion_models", unet_name, cfg)
             ops = _ops(cfg, patch_rounding, f"diffusion_models/{unet_name}")
             options = {"custom_operations": ops}

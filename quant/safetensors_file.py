@@ -335,16 +335,19 @@ def background_reads_done(timeout: float | None = None) -> bool:
 
 
 _HELD = threading.local()  # .pending: the DeferredReads whose start this thread's background_reads_held holds
+# Reads of this many bytes or more are not held: they take far longer than a build (a 1.92 GiB SD3-shaped file's
+# first step was 0.3 s later with its reads held through the 0.45 s load), where a small file's reads are over in
+# a few ms and cost the build more than they save.
+HOLD_MAX_BYTES = 256 << 20
 
 
 @contextlib.contextmanager
 def background_reads_held():
-    """Loads in this block (in this thread) start their background reads when it ends, in order, however it ends;
-    a weight used inside the block reads its own bytes, as it would before the thread reached them. For a loader
-    that builds the model right after the load: a reading thread started at once shares the cores with the build,
-    whose parallel copies then wait for the core it holds (hunyuan-dit's 44 MB tiny model on two cores: the build
-    took 5.8 ms beside the thread, 3.4 ms without it; stock ComfyUI's load 5.0-5.5 ms in all). Nested blocks: the
-    outermost starts them."""
+    """Loads in this block (in this thread) whose background reads total less than ``HOLD_MAX_BYTES`` start them when
+    it ends, in order, however it ends; a weight used inside the block reads its own bytes, as it would before the
+    thread reached them. For a loader that builds the model right after the load: a reading thread started at once
+    runs beside the build and slows it (hunyuan-dit's 44 MB tiny model on two cores: the build took 5.8 ms beside
+    the thread, 3.4 ms without it; stock ComfyUI's whole load 5.0-5.5 ms). Nested blocks: the outermost starts them."""
     if getattr(_HELD, "pending", None) is not None:
         yield
         return
@@ -406,6 +409,7 @@ class DeferredReads:
         self._lock = threading.Lock()
         self._fills: list[_Fill] = []
         self._left = 0
+        self._bytes = 0  # of the tensors added
         self._failed: FormatError | None = None
         self._thread_done = threading.Event()
 
@@ -415,18 +419,19 @@ class DeferredReads:
         fill = _Fill(key, self._header.data_start + entry.start, entry.nbytes, buf)
         self._fills.append(fill)
         self._left += 1
+        self._bytes += entry.nbytes
         return buf.view(entry.dtype).reshape(entry.shape), fill
 
     def start(self) -> None:
         """Start the background thread (no tensor added after this; inside ``background_reads_held``, when that
-        block ends); closes the file at once when none was.
+        block ends, unless they are large); closes the file at once when none was.
         The load does not wait for the thread to be scheduled (``threading.Thread.start`` does: 0.6-1.1 ms of a
         small model's 10 ms load on two busy cores); ``background_reads_done`` waits for every such thread."""
         if not self._fills:
             self._close()
             return
         held = getattr(_HELD, "pending", None)
-        if held is not None:
+        if held is not None and self._bytes < HOLD_MAX_BYTES:
             held.append(self)
             return
         with _ACTIVE_LOCK:

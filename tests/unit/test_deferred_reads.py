@@ -9,7 +9,8 @@ its own at its first use (quant/safetensors_file.py ``DeferredReads``, quant/ten
   the key where they are used, for that weight and every later one; a file renamed over the name is not read;
 - the file is closed once everything is read, and by a load that fails half way;
 - ``background_reads_done`` waits for every reading thread (the load itself never does);
-- ``background_reads_held``: loads in the block (in its thread) start their reads when it ends, however it ends.
+- ``background_reads_held``: loads in the block (in its thread) start their reads when it ends, however it ends;
+  reads of ``HOLD_MAX_BYTES`` or more start at once.
 """
 
 from __future__ import annotations
@@ -293,3 +294,15 @@ def test_a_hold_holds_only_its_own_threads_loads(model_file, monkeypatch):
         gate.set()
     assert safetensors_file.background_reads_done(timeout=30)
     assert all(f.done.is_set() and f.error is None for f in _fills(loaded["sd"]).values())
+
+
+def test_large_reads_are_not_held(model_file, monkeypatch):
+    gate, started = _hold_reads(monkeypatch)
+    monkeypatch.setattr(safetensors_file, "HOLD_MAX_BYTES", 1)  # every file's reads count as large
+    with safetensors_file.background_reads_held():
+        sd, _ = formats.load_file(model_file, defer=True)
+        assert _reads(sd) in safetensors_file._ACTIVE  # started at once, inside the block
+        assert started.wait(30)
+        gate.set()
+    assert safetensors_file.background_reads_done(timeout=30)
+    assert all(f.done.is_set() and f.error is None for f in _fills(sd).values())
