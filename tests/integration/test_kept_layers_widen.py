@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import tiny_sd3
 from helpers.host import comfy_in_process
 
 pytestmark = pytest.mark.integration
@@ -65,30 +66,19 @@ def _kept(model) -> dict:
     return {n: dm.get_submodule(n) for n in KEPT}
 
 
-def _sample_call(env, model) -> torch.Tensor:
-    comfy = env[2]
-    comfy.model_management.load_models_gpu([model])
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(1, 16, 8, 8, generator=g)
-    ctx = torch.randn(1, 5, 4096, generator=g)
-    y = torch.randn(1, 2048, generator=g)
-    with torch.inference_mode():
-        return model.model.apply_model(x, torch.tensor([0.5]), c_crossattn=ctx, y=y)
-
-
 def test_kept_layers_load_as_the_file_has_them_and_widen_at_their_first_call(env, monkeypatch):
     model = _load(env)
     assert model.model.manual_cast_dtype in (None, torch.float32) and model.model.get_dtype() == torch.float32
     before = {n: m.weight.detach().clone() for n, m in _kept(model).items()}
     assert all(w.dtype == torch.bfloat16 for w in before.values()), {n: w.dtype for n, w in before.items()}
-    out = _sample_call(env, model)
+    out = tiny_sd3.apply(model, seed=11)
     for n, m in _kept(model).items():
         assert m.weight.dtype == torch.float32, n
         assert torch.equal(m.weight, before[n].float()), n
     eager = _load(env, monkeypatch, eager=True)
     assert all(m.weight.dtype == torch.float32 for m in _kept(eager).values())
-    assert torch.equal(_sample_call(env, eager), out)
-    assert torch.equal(_sample_call(env, model), out)  # and again, widened
+    assert torch.equal(tiny_sd3.apply(eager, seed=11), out)
+    assert torch.equal(tiny_sd3.apply(model, seed=11), out)  # and again, widened
 
 
 def test_comfyui_is_told_the_size_the_model_has_once_its_kept_layers_are_widened(env):
@@ -98,7 +88,7 @@ def test_comfyui_is_told_the_size_the_model_has_once_its_kept_layers_are_widened
     widened_bytes = sum(m.weight.numel() * 2 for m in model.model.diffusion_model.modules()
                         if getattr(m, "fp8_widen_to", None) is not None)
     assert widened_bytes > 0 and model.model_size() == loaded + widened_bytes
-    _sample_call(env, model)
+    tiny_sd3.apply(model, seed=11)
     assert comfy.model_management.module_size(model.model) == model.model_size()
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import fp8_files
+from helpers import fp8_files, tiny_sd3
 from helpers.host import comfy_in_process
 
 pytestmark = pytest.mark.integration
@@ -94,17 +94,6 @@ def _background(state) -> list[bool]:
     return [during for on_main, during in state["reads"] if not on_main]
 
 
-def _unet_output(env, model) -> torch.Tensor:
-    comfy = env[1]
-    comfy.model_management.load_models_gpu([model])
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 16, 8, 8, generator=g)
-    ctx = torch.randn(1, 5, 4096, generator=g)
-    y = torch.randn(1, 2048, generator=g)
-    with torch.inference_mode():
-        return model.model.apply_model(x, torch.tensor([0.5]), c_crossattn=ctx, y=y)
-
-
 def test_the_diffusion_loader_reads_after_the_build(env, watched, monkeypatch):
     from fp8_engram.quant import safetensors_file
 
@@ -114,10 +103,10 @@ def test_the_diffusion_loader_reads_after_the_build(env, watched, monkeypatch):
     during = _background(watched)
     assert during, "no FP8 tensor was read in the background"
     assert not any(during), f"{sum(during)} of {len(during)} background reads ran during ComfyUI's model build"
-    out = _unet_output(env, model)
+    out = tiny_sd3.apply(model, seed=3)
     monkeypatch.setattr(safetensors_file, "DEFERRED_READS", False)  # everything read at load
     eager = nodes.LoadFP8DiffusionModel.execute(UNET, "weight-only", "auto", "auto").result[0]
-    assert torch.equal(_unet_output(env, eager), out)
+    assert torch.equal(tiny_sd3.apply(eager, seed=3), out)
 
 
 def test_the_text_encoder_loader_reads_after_the_build(env, watched, monkeypatch):
@@ -143,8 +132,8 @@ def test_the_checkpoint_loader_reads_after_the_build(env, watched, monkeypatch):
     assert safetensors_file.background_reads_done(timeout=30)
     during = _background(watched)
     assert during and not any(during), during
-    out, cond = _unet_output(env, model), clip.encode_from_tokens(clip.tokenize("a red apple"))
+    out, cond = tiny_sd3.apply(model, seed=3), clip.encode_from_tokens(clip.tokenize("a red apple"))
     monkeypatch.setattr(safetensors_file, "DEFERRED_READS", False)
     eager_model, eager_clip, _ = nodes.LoadFP8Checkpoint.execute(CHECKPOINT, "weight-only", "auto", "auto").result
-    assert torch.equal(_unet_output(env, eager_model), out)
+    assert torch.equal(tiny_sd3.apply(eager_model, seed=3), out)
     assert torch.equal(eager_clip.encode_from_tokens(eager_clip.tokenize("a red apple")), cond)
