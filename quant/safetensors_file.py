@@ -287,7 +287,7 @@ class _FileReader:
         if self.header is None:
             self.header = read_header(self.path, file=self.open())
         entry = self.header.tensors[key]
-        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        t, buf = _allocate(entry)
         if entry.nbytes:
             f = self.open()
             view = memoryview(buf.numpy()).cast("B")
@@ -303,8 +303,16 @@ class _FileReader:
                     done += n
             except OSError as exc:
                 raise _err(self.path, key, f"reading this tensor failed ({exc})") from exc
-        t = buf.view(entry.dtype).reshape(entry.shape)
         return t if self.device == "cpu" else t.to(self.device)
+
+
+def _allocate(entry: TensorEntry) -> tuple[torch.Tensor, torch.Tensor]:
+    """``entry``'s tensor, allocated (its bytes not read), and a flat uint8 view of them to read into. The tensor is
+    not itself a view of a byte buffer: such a view keeps its base, so its storage has a second user for as long as
+    it lives, and checks that rewrite codes only where no other tensor reads them (int8's in-place conversion,
+    ``compute.int8._codes_unshared``) would refuse every weight loaded so."""
+    t = torch.empty(entry.shape, dtype=entry.dtype)
+    return t, t.reshape(-1).view(torch.uint8)
 
 
 DEFERRED_READS = hasattr(os, "preadv")  # positioned reads into a buffer (not on Windows: everything is read at load)
@@ -415,12 +423,12 @@ class DeferredReads:
 
     def add(self, key: str, entry: TensorEntry) -> tuple[torch.Tensor, _Fill]:
         """A buffer for ``entry``'s tensor (its dtype and shape; bytes not read yet) and the fill that reads it."""
-        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        t, buf = _allocate(entry)
         fill = _Fill(key, self._header.data_start + entry.start, entry.nbytes, buf)
         self._fills.append(fill)
         self._left += 1
         self._bytes += entry.nbytes
-        return buf.view(entry.dtype).reshape(entry.shape), fill
+        return t, fill
 
     def start(self) -> None:
         """Start the background thread (no tensor added after this; inside ``background_reads_held``, when that

@@ -306,3 +306,17 @@ def test_large_reads_are_not_held(model_file, monkeypatch):
         gate.set()
     assert safetensors_file.background_reads_done(timeout=30)
     assert all(f.done.is_set() and f.error is None for f in _fills(sd).values())
+
+
+@pytest.mark.skipif(not hasattr(torch._C, "_storage_Use_Count"), reason="needs torch's storage use count")
+@pytest.mark.parametrize("defer", [False, True])
+def test_every_tensor_read_owns_its_storage_alone(model_file, defer):
+    """No loaded tensor is a view of a byte buffer (a view keeps its base: its storage would have a second user for
+    its whole life, and int8's in-place conversion, which rewrites only codes nobody else reads, refuses those)."""
+    sd, _ = formats.load_file(model_file, defer=defer)
+    assert safetensors_file.background_reads_done(timeout=30)
+    tensors = {k: (v.qdata if isinstance(v, QuantizedTensor) else v) for k, v in sd.items()}
+    assert any(isinstance(v, QuantizedTensor) for v in sd.values()) and len(tensors) > 2
+    for key, t in tensors.items():
+        assert t._base is None, key
+        assert torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2, key  # the tensor and the storage asked
