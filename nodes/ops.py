@@ -59,17 +59,6 @@ def move_quantized(w: QuantizedTensor, device) -> QuantizedTensor:
         input_scale=None if w.input_scale is None else w.input_scale.to(device), config=w.config)
 
 
-def _as_parameter(w: torch.Tensor) -> torch.nn.Parameter:
-    """``nn.Parameter(w, requires_grad=False)`` for a weight the load has just read. Of a tensor subclass nn.Parameter
-    makes a detached copy and marks that as a parameter (``_is_param``), and QuantizedTensor's detach is a dispatch of
-    its own (7 of the 9 us per weight); such a weight is marked itself instead: the same object with its
-    parameter-ness."""
-    if isinstance(w, QuantizedTensor) and not w.requires_grad:
-        w._is_param = True
-        return w
-    return torch.nn.Parameter(w, requires_grad=False)
-
-
 def _patch_source(weight):
     """What ComfyUI's weight patches (LoRA ...) add to: a quantized weight (or bank) dequantized in float32."""
     return weight.dequantize(torch.float32) if isinstance(weight, QuantizedTensor) else weight
@@ -160,7 +149,7 @@ def make_fp8_ops(config: ComputeConfig | None = None, *, stochastic_rounding: bo
                         error_msgs.append(f"size mismatch for {key}: file has {list(w.shape)}, "
                                           f"the model expects {[self.out_features, self.in_features]}")
                     else:
-                        self.weight = _as_parameter(w)
+                        self.weight = torch.nn.Parameter(w, requires_grad=False)
                 super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                               unexpected_keys, error_msgs)
                 if w is None and key not in missing_keys:
