@@ -2,10 +2,10 @@
 
 The loaders read the large FP8 tensors after they return, in a background thread
 (quant/safetensors_file.py ``DeferredReads``), and hold that thread back until ComfyUI has built the model
-(``background_reads_held``): beside the build it took the core the build's parallel copies waited for (on two
-cores hunyuan-dit's tiny model built in 5.8 ms beside it, 3.4 ms without). Shown here for Load FP8 Diffusion
-Model, Load FP8 Text Encoder and Load FP8 Checkpoint (a checkpoint of the tiny SD3, TAESD3 and CLIP-L), every FP8
-tensor deferred (these files are small: a real load reads them at once):
+(``background_reads_held``) when the file is small: beside the build it slowed the build's parameter copies (on
+two cores hunyuan-dit's tiny model built in 5.8 ms beside it, 3.4 ms without; a lower priority did not help).
+Shown here for Load FP8 Diffusion Model, Load FP8 Text Encoder and Load FP8 Checkpoint (a checkpoint of the tiny
+SD3, TAESD3 and CLIP-L), every FP8 tensor deferred (these files are small: a real load reads them at once):
 
 - no background read runs while ComfyUI builds the model; they run after the node returns;
 - the model computes with the file's codes: its output equals that of a load that read everything at once.
