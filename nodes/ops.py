@@ -422,8 +422,10 @@ def count_widened_size(patcher) -> int:
     for m in model.modules():
         # set on the instance by the load (an nn.Module's missing attribute costs a raised AttributeError each)
         target = m.__dict__.get("fp8_widen_to")
-        w = m._parameters.get("weight") if target is not None else None
-        if target is not None and isinstance(w, torch.Tensor) and w.dtype != target:
+        if target is None:
+            continue
+        w = m._parameters.get("weight")
+        if isinstance(w, torch.Tensor) and w.dtype != target:
             extra += w.numel() * (target.itemsize - w.element_size())
     if extra:
         patcher.size = comfy.model_management.module_size(_AsItIs(model)) + extra

@@ -309,8 +309,8 @@ class _FileReader:
 def _allocate(entry: TensorEntry) -> tuple[torch.Tensor, torch.Tensor]:
     """``entry``'s tensor, allocated (its bytes not read), and a flat uint8 view of them to read into. The tensor is
     not itself a view of a byte buffer: such a view keeps its base, so its storage has a second user for as long as
-    it lives, and checks that rewrite codes only where no other tensor reads them (int8's in-place conversion,
-    ``compute.int8._codes_unshared``) would refuse every weight loaded so."""
+    it lives, and a check that rewrites codes only where no other tensor reads them (int8's in-place conversion,
+    ``compute.int8._codes_unshared``) refuses a weight that still holds such a view."""
     t = torch.empty(entry.shape, dtype=entry.dtype)
     return t, t.reshape(-1).view(torch.uint8)
 
