@@ -1,7 +1,7 @@
 """The safetensors container, read defensively: the header, parsed and bounded, and tensors read or mapped.
 
 Every bound on what a file may make the reader parse or allocate is here; anything malformed raises
-``FormatError`` naming the file and the key. Floor 6 (file I/O); imports only the errors.
+``FormatError`` naming the file and the key. Floor 6 (file I/O); imports only the errors and common.reads.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..common import reads
 from .errors import FormatError
 
 logger = logging.getLogger(__name__)
@@ -291,19 +292,28 @@ class _FileReader:
         if entry.nbytes:
             f = self.open()
             view = memoryview(buf.numpy()).cast("B")
-            pos, done = self.header.data_start + entry.start, 0
+            pos = self.header.data_start + entry.start
             try:
-                f.seek(pos)
-                while done < entry.nbytes:
-                    n = f.readinto(view[done:])  # one read returns at most ~2 GiB on Linux
-                    if not n:
-                        raise _err(self.path, key, f"the file ended at byte {pos + done:,} while reading this tensor "
-                                   "(it was truncated or rewritten while loading)",
-                                   f"a file of at least {self.header.data_start + entry.end:,} bytes")
-                    done += n
+                done = reads.read_into(f.fileno(), view, pos) if reads.HAS_PREADV else _read_sequential(f, view, pos)
             except OSError as exc:
                 raise _err(self.path, key, f"reading this tensor failed ({exc})") from exc
+            if done < entry.nbytes:
+                raise _err(self.path, key, f"the file ended at byte {pos + done:,} while reading this tensor "
+                           "(it was truncated or rewritten while loading)",
+                           f"a file of at least {self.header.data_start + entry.end:,} bytes")
         return t if self.device == "cpu" else t.to(self.device)
+
+
+def _read_sequential(f, view: memoryview, pos: int) -> int:
+    """Where there are no positioned reads: seek, then read until ``view`` is full or the file ends."""
+    f.seek(pos)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    return done
 
 
 def _allocate(entry: TensorEntry) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,7 +325,7 @@ def _allocate(entry: TensorEntry) -> tuple[torch.Tensor, torch.Tensor]:
     return t, t.reshape(-1).view(torch.uint8)
 
 
-DEFERRED_READS = hasattr(os, "preadv")  # positioned reads into a buffer (not on Windows: everything is read at load)
+DEFERRED_READS = reads.HAS_PREADV  # positioned reads into a buffer (not on Windows: everything is read at load)
 # Which tensors are read in the background: those of DEFER_TENSOR_MIN_BYTES or more, in a file where such tensors hold
 # DEFER_MIN_BYTES or more in all; the rest are read at load. Reading in the background is not free: the reading
 # thread takes the GIL back at every tensor, each time the load's torch calls release it, and shares two cores with
@@ -505,13 +515,8 @@ class DeferredReads:
     def _read_into(self, fill: _Fill) -> None:
         fd = self._file.fileno()
         view = memoryview(fill.buffer.numpy()).cast("B")
-        done = 0
         try:
-            while done < fill.nbytes:
-                n = os.preadv(fd, [view[done:]], fill.offset + done)
-                if not n:
-                    break
-                done += n
+            done = reads.read_at(fd, view, fill.offset)  # one thread: the load goes on beside it
             st = os.fstat(fd)
         except OSError as exc:
             raise _err(self.path, fill.key, f"reading this tensor failed ({exc})") from exc
