@@ -12,6 +12,8 @@ an int8 weight (where this CPU proves and times int8 against weight-only), each 
     nan row        row 1 NaN
     gemv           wrong only for one token (m = 1)
     n tail         output columns past the last full 64-column tile zeroed (1000 outputs)
+    past slices    output columns past the first TIME_ROWS zeroed, on a weight of 2 x TIME_ROWS + 512 rows (where
+                   "auto" on the CPU proves and times a candidate on the weight's first rows only)
 
 A case fails when any call returns an output worse against the float64 reference by more than 3 dB than
 both the plain path's and the same path's with the real kernels (run first, in a book of its own), or
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / ".host" / "pkg"))
 
 from fp8_engram.quant import ComputeConfig, PerRow, QuantizedTensor, linear  # noqa: E402
-from fp8_engram.quant.compute import Book, int8 as qint8, proof, scaled_mm as sm  # noqa: E402
+from fp8_engram.quant.compute import Book, int8 as qint8, proof, prove, scaled_mm as sm  # noqa: E402
 
 TOKENS = (1, 16, 40, 77, 100, 300)
 N, K = 1000, 512
@@ -54,6 +56,8 @@ def _fault(name):
             out = out * 2
         if name == "n tail" and n % 64:
             out[:, n // 64 * 64:] = 0
+        if name == "past slices" and n > prove.TIME_ROWS:
+            out[:, prove.TIME_ROWS:] = 0
         return out
     return wrong
 
@@ -108,11 +112,12 @@ def main() -> int:
                           "torch._scaled_mm"}))
         return 0
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05
+    large = torch.randn(2 * prove.TIME_ROWS + 512, K, generator=torch.Generator().manual_seed(0)) * 0.05
     results = []
     print(f"{'fault':<12}{'path':<13}{'wrong products served':<40}verdict")
-    for fault in ("1% off", "tail rows", "nan row", "gemv", "n tail"):
+    for fault in ("1% off", "tail rows", "nan row", "gemv", "n tail", "past slices"):
         for mode in ("fp8 forced", "int8 forced", "int8 auto"):
-            r = run_case(fault, mode, w)
+            r = run_case(fault, mode, large if fault == "past slices" else w)
             results.append(r)
             told = "; ".join(r["served_wrong"]) or "none"
             print(f"{fault:<12}{mode:<13}{told[:38]:<40}{(r['verdicts'] or ['-'])[0][:70]}")

@@ -1,10 +1,12 @@
 """Proving a product, in one place: the verdict for a kind of product, and the check of each new shape.
 
 ``decide``: the first time a kind of product (a ``book.Key``) is about to run, each candidate path runs on
-a seeded activation of its shape class's token count (``M_CLASSES``) and the layer's own weight; each is
-proven against its eager twin and the reference of its math (``proof.judge``: every row compared up to 256
-rows), those that pass are timed against each other and the plain path, and the fastest is filed in the
-book (a fast path must take at most ``WIN`` of the plain path's time). Forced: only that path is proven.
+a seeded activation of its shape class's token count (``M_CLASSES``) and the layer's own weight (on the CPU,
+a weight of more than twice ``TIME_ROWS`` output rows: its first ``TIME_ROWS`` rows, those it is timed on);
+each is proven against its eager twin and the reference of its math (``proof.judge``: every row compared up
+to 256 rows), those that pass are timed against each other and the plain path, and the fastest is filed in
+the book (a fast path must take at most ``WIN`` of the plain path's time). Forced: only that path is proven,
+on the whole weight.
 
 ``check_call``: a verdict serves a call only at a shape its path was checked on. The first call at each
 new (m, n, k, contiguity) runs the chosen path on the call's own activation and checks its output, every
@@ -45,7 +47,9 @@ DECISIVE = 2.0  # timing stops after a round in which one candidate took this ma
 # On the CPU, a weight of more than twice TIME_ROWS output rows is timed on its first SMALL_ROWS and its
 # first TIME_ROWS rows, and each candidate's time for the whole weight is the line through the two (a part
 # per call, as int8's activation quantizer, plus a part per row): a 12288-row layer is timed at about a
-# tenth of its cost, and a per-call part does not weigh more than it does on the whole layer.
+# tenth of its cost, and a per-call part does not weigh more than it does on the whole layer. (Fewer rows are
+# too few where the per-call part is large: at 4096 tokens and an input 15360 wide, slices of 128 and 256 rows
+# put int8 at 1.35x weight-only where 128 and 1024 rows measured 4.4x.)
 TIME_ROWS = 1024
 SMALL_ROWS = 128  # a multiple of every block height the layouts cut at (128 x 128 blocks)
 SMALL_MACS = 1 << 24  # multiply-adds of a call at its class's token count below which nothing is proven
@@ -142,7 +146,12 @@ def decide(book: Book, device, key: Key, operands: dict, bias, cdt, cfg, x_dtype
             continue
         try:
             with torch.no_grad():
-                p, _ = _judge(path, run, xp, wop, bias, cdt, cfg, sample, _wref(wop, sample))
+                if cand.timed:  # judged on the rows it is timed on; each real shape is checked at its first call
+                    ws, bs = slices_of[id(wop)][TIME_ROWS]
+                    rows = proof.Sample(m, TIME_ROWS, device)
+                    p, _ = _judge(path, cand.timed[TIME_ROWS], xp, ws, bs, cdt, cfg, rows, _wref(ws, rows))
+                else:
+                    p, _ = _judge(path, run, xp, wop, bias, cdt, cfg, sample, _wref(wop, sample))
         except Exception as exc:  # noqa: BLE001 - a path that cannot run here is an answer
             if is_oom(exc):
                 raise
@@ -164,8 +173,8 @@ def decide(book: Book, device, key: Key, operands: dict, bias, cdt, cfg, x_dtype
     v = Verdict(key=key, chosen=chosen, why=why, proofs={n_: p.as_dict() for n_, p in proofs.items()},
                 seconds={n_: round(s, 7) for n_, s in seconds.items()}, cost_s=time.perf_counter() - started)
     book.file(device, v)
-    if not REGISTRY[chosen].plain:
-        book.cover(device, key, chosen, (m, n, k, True))
+    if not REGISTRY[chosen].plain:  # the shape its proof ran at (a CPU weight's first rows where timed on them)
+        book.cover(device, key, chosen, (m, TIME_ROWS if cands[chosen].timed else n, k, True))
     _log(device, v, proofs)
     return v
 

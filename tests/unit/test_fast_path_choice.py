@@ -385,11 +385,12 @@ def test_one_call_slowed_by_something_else_does_not_decide(clock):
     assert seen["plain"] >= 2, "stopped on the slowed call"
 
 
-def test_a_large_layer_is_timed_on_its_first_rows(monkeypatch):
-    """On the CPU, a weight of more than 2 x TIME_ROWS rows: the fast path's proof runs on the whole
-    weight, the timing of every candidate on its first SMALL_ROWS and TIME_ROWS rows, and the plain path
-    (the reference math itself) is never run whole while deciding; the call's own output is the whole
-    product."""
+def test_a_large_layer_is_proven_and_timed_on_its_first_rows(monkeypatch):
+    """On the CPU, a weight of more than 2 x TIME_ROWS rows: the fast path is proven on its first TIME_ROWS rows
+    (the rows it is timed on), every candidate timed on its first SMALL_ROWS and TIME_ROWS rows, and the plain
+    path (the reference math itself) is never run whole while deciding; the call's own output is the whole
+    product, checked at its own shape before it serves (an int8 kernel wrong only past the proven rows is
+    caught there: test_an_error_past_the_proven_rows_is_caught_at_the_call)."""
     calls = []
     real_mm = qint8.int8_linear_mm
 
@@ -405,19 +406,46 @@ def test_a_large_layer_is_timed_on_its_first_rows(monkeypatch):
         return real_dq(x, w, *args, **kwargs)
 
     monkeypatch.setattr(plain, "_dequantized", dequantized)
+    checked = []
+    real_check = prove.check_call
+    monkeypatch.setattr(prove, "check_call", lambda *a, **kw: checked.append(tuple(a[4].shape)) or real_check(*a, **kw))
     rows = 2 * prove.TIME_ROWS + 512
     _, w8 = _weights(n=rows, k=256)
     x = _x(m=40, k=256)
     y = linear(x, w8, None, AUTO)
     v = verdict("int8")
     assert v.source == "measured" and set(v.seconds) == {"int8", "weight-only"}, v.as_dict()
-    assert ("int8", rows) in calls, "the int8 kernel was not proven on the whole weight"
+    assert calls.count(("int8", rows)) == 1, "the whole weight ran int8 other than for the call itself"
     whole_plain = [c for c in calls if c == ("weight-only", rows)]
     assert len(whole_plain) <= 1, "the plain path ran on the whole weight while deciding"
     assert {("int8", prove.TIME_ROWS), ("weight-only", prove.TIME_ROWS), ("int8", prove.SMALL_ROWS),
             ("weight-only", prove.SMALL_ROWS)} <= set(calls), calls
     assert y.shape == (40, rows)
+    assert checked == [(40, 256)], "the call's own shape was not checked before it served"
     assert v.proofs["weight-only"]["ok"] and v.proofs["weight-only"]["why"] == "the plain path"
+
+
+def test_an_error_past_the_proven_rows_is_caught_at_the_call(monkeypatch):
+    """An int8 kernel right on a large weight's first TIME_ROWS rows (where it is proven and timed) and wrong in
+    its last output: the call's own check refuses it, on record, and the call returns the plain path's output."""
+    rows = 2 * prove.TIME_ROWS + 512
+    real_mm = qint8.int8_linear_mm
+
+    def wrong_past_the_slices(xq, sa, wq, sb, bias, out_dtype):
+        out = real_mm(xq, sa, wq, sb, bias, out_dtype)
+        if wq.shape[0] == rows:
+            out[:, -1] += 1.0
+        return out
+
+    monkeypatch.setattr(qint8, "int8_linear_mm", wrong_past_the_slices)
+    wq, w8 = _weights(n=rows, k=256)
+    x = _x(m=40, k=256)
+    y = linear(x, w8, None, AUTO)
+    v = verdict("int8")
+    assert v.chosen == "weight-only" and not v.proofs["int8"]["ok"], v.as_dict()
+    assert "wrong at 40 x 256" in v.proofs["int8"]["why"], v.as_dict()
+    want = torch.nn.functional.linear(x.float(), w8.dequantize(torch.float32)).to(y.dtype)
+    assert torch.allclose(y.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_the_whole_layer_time_is_the_line_through_two_slices():
