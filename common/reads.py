@@ -66,7 +66,9 @@ def read_into(fd: int, view: memoryview, offset: int, parallel: bool = True) -> 
     from the start of ``view`` (where the file ended, the first part that came up short says how far); raises the
     first part's error (``OSError`` as the system raised it). Every part has ended, read or failed, when this
     returns or raises: nothing writes into the buffer afterwards."""
-    ranges = parts(len(view), _threads() if parallel else 1)
+    if not parallel or len(view) < PARALLEL_MIN_BYTES:
+        return read_at(fd, view, offset)
+    ranges = parts(len(view), _threads())
     if len(ranges) == 1:
         return read_at(fd, view, offset)
     pool = _helpers()

@@ -109,7 +109,8 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
     T = hdr.tensors
     consumed: set[str] = set()
 
-    nv_layers = _detect_nvfp4(path, hdr, rd, compute_dtype)  # ComfyUI's NVFP4 layers (own keys and checks)
+    # ComfyUI's NVFP4 layers (own keys and checks); every `.comfy_quant`'s JSON bytes, read once for both passes
+    nv_layers = _detect_nvfp4(path, hdr, rd, compute_dtype, cq_raw := {})
     for key in (k for k in T if k.endswith(_UNSUPPORTED_SUFFIXES)):
         for suf in _UNSUPPORTED_SUFFIXES:
             if key.endswith(suf) and key[: -len(suf)] + ".weight" not in nv_layers:
@@ -227,8 +228,8 @@ def _detect(path: str, device: str, orig_dtype, hdr: SafetensorsHeader, rd, comp
             if ce.nbytes > MAX_COMFY_QUANT_BYTES:
                 raise _err(path, cq_key, f"comfy_quant tensor holds {ce.nbytes:,} bytes",
                            f"at most {MAX_COMFY_QUANT_BYTES:,} bytes of JSON")
-            raw = rd.get(cq_key)
-            cq = _loads(path, cq_key, raw.numpy().tobytes(), expected)
+            raw = cq_raw[cq_key] if cq_key in cq_raw else rd.get(cq_key).numpy().tobytes()
+            cq = _loads(path, cq_key, raw, expected)
             if not isinstance(cq, dict) or not isinstance(cq.get("format"), str) or cq["format"] not in COMFY_FORMATS:
                 raise _err(path, cq_key, f"comfy_quant says {_short(cq)}",
                            "an object with format 'float8_e4m3fn', 'float8_e5m2' or 'mxfp8'")
@@ -377,10 +378,10 @@ def _unsupported_key(path, key: str, suf: str, why: str = "") -> FormatError:
                 "per-layer forms, or the model in bf16/fp16 to convert with this pack")
 
 
-def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=None) -> dict:
+def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype, cq_raw: dict) -> dict:
     """The layers of a file in ComfyUI's NVFP4 form (see quant/layouts/nvfp4.py): a `.comfy_quant` or an entry of
     `_quantization_metadata` (which ComfyUI turns into `.comfy_quant`) says "nvfp4". Returns
-    {weight key: (LayerInfo, the QuantizedTensor's scale bytes)}; reads only scales and JSON."""
+    {weight key: (LayerInfo, the QuantizedTensor's scale bytes)}; reads only scales and JSON (into ``cq_raw``)."""
 
     T = hdr.tensors
     confs: dict[str, tuple[dict, str, str]] = {}  # layer -> (its JSON, format name, the JSON's key)
@@ -395,7 +396,7 @@ def _detect_nvfp4(path, hdr: SafetensorsHeader, rd: _LazyReader, compute_dtype=N
         if not cq_key.endswith(".comfy_quant") or ce.dtype != torch.uint8 or len(ce.shape) != 1 \
                 or ce.nbytes > MAX_COMFY_QUANT_BYTES:
             continue  # anything malformed is reported by the general reader
-        raw = rd.get(cq_key).numpy().tobytes()
+        raw = cq_raw[cq_key] = rd.get(cq_key).numpy().tobytes()
         if b"nvfp4" not in raw:
             continue
         cq = _loads(path, cq_key, raw, 'uint8 bytes of a JSON object like {"format": "nvfp4"}')
@@ -596,5 +597,4 @@ __all__ = [
     "read_header", "detect_format", "inspect_file", "load_file", "infer_layout", "make_layout",
     "KNOWN_BLOCKS", "block_grid", "check_scale_range", "check_nvfp4_range",
     "PLAIN", "COMFY_SCALED", "COMFY_METADATA", "COMFY_PER_LAYER", "MUSUBI", "WEIGHT_SCALE", "BLOCKWISE_INV",
-    "UNQUANTIZED", "FP8_DTYPES", "FP8_BY_NAME", "ST_DTYPES", "ST_NAMES",
-]
+    "UNQUANTIZED", "FP8_DTYPES", "FP8_BY_NAME", "ST_DTYPES", "ST_NAMES"]

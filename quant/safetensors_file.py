@@ -291,7 +291,7 @@ class _FileReader:
         t, buf = _allocate(entry)
         if entry.nbytes:
             f = self.open()
-            view = memoryview(buf.numpy()).cast("B")
+            view = buf.numpy()  # 1-D uint8: a writable buffer as it is
             pos = self.header.data_start + entry.start
             try:
                 done = reads.read_into(f.fileno(), view, pos) if reads.HAS_PREADV else _read_sequential(f, view, pos)
