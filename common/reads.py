@@ -38,9 +38,10 @@ def _helpers() -> ThreadPoolExecutor:
         return _pool
 
 
-def read_at(fd: int, view: memoryview, offset: int) -> int:
-    """Fill ``view`` (bytes) from ``fd`` at ``offset`` in this thread; the bytes read, fewer than ``len(view)``
-    where the file ended. ``OSError`` as the system raised it."""
+def read_at(fd: int, view, offset: int) -> int:
+    """Fill ``view`` (a writable 1-D byte buffer: a memoryview, a uint8 numpy array) from ``fd`` at ``offset`` in
+    this thread; the bytes read, fewer than ``len(view)`` where the file ended. ``OSError`` as the system raised
+    it."""
     done, size = 0, len(view)
     while done < size:  # one read returns at most ~2 GiB on Linux
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -60,7 +61,7 @@ def parts(size: int, threads: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, size)) for a in range(0, size, step)]
 
 
-def read_into(fd: int, view: memoryview, offset: int, parallel: bool = True) -> int:
+def read_into(fd: int, view, offset: int, parallel: bool = True) -> int:
     """``read_at``, with a buffer of ``PARALLEL_MIN_BYTES`` or more split over up to ``MAX_THREADS`` threads (this
     one and a shared pool's) where ``parallel`` and the process may run on several cores. Returns the bytes read
     from the start of ``view`` (where the file ended, the first part that came up short says how far); raises the

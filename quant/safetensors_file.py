@@ -304,7 +304,7 @@ class _FileReader:
         return t if self.device == "cpu" else t.to(self.device)
 
 
-def _read_sequential(f, view: memoryview, pos: int) -> int:
+def _read_sequential(f, view, pos: int) -> int:
     """Where there are no positioned reads: seek, then read until ``view`` is full or the file ends."""
     f.seek(pos)
     done = 0
