@@ -27,7 +27,7 @@ Variants, one after another in one process (ComfyUI's free-memory step between t
   pack_weight_only_copies  (CPU only) the same with dequantized_copies_gb 16: each layer dequantized once and kept
 Per variant: the load's seconds (the loader node's call; the median of --load-repeats loads, default 1, --tiny 5:
 a tiny model loads in about as long as its noise; each after the pack's background reads of the one before
-ended), time to the first step (from the sampled load's call to the end of the first model call),
+ended; with more than one, after one load not counted), time to the first step (from the sampled load's call to the end of the first model call),
 seconds per later step (median), peak VRAM above the starting point (torch.cuda.max_memory_allocated)
 and the process's total (peak reserved by torch's allocator + what the driver reports in use), the
 latent's SQNR against stock_bf16 (float64).
@@ -519,7 +519,12 @@ def extra_loads(c: Comfy, load, n: int) -> list[float]:
 
 def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram, load_repeats: int = 1):
     # a load of a tiny model takes some 10-50 ms, as much as its noise: its figure is the median of
-    # load_repeats loads, the last of which is the one sampled (its first step counts from its start)
+    # load_repeats loads, the last of which is the one sampled (its first step counts from its start), after one
+    # load not counted (the first loads after another variant's read into memory the allocator hands out afresh:
+    # with --cpu-isa avx2 the first pack variant's first two loads took 45-49 ms, its next three and the other
+    # pack variants' 28-36, so whichever variant came first read slower)
+    if load_repeats > 1:
+        extra_loads(c, load, 1)
     loads = extra_loads(c, load, load_repeats - 1)
     settle(c)
     base = vram.reset()
