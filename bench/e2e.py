@@ -27,9 +27,9 @@ Variants, one after another in one process (ComfyUI's free-memory step between t
   pack_weight_only_copies  (CPU only) the same with dequantized_copies_gb 16: each layer dequantized once and kept
 Per variant: the load's seconds (the loader node's call; the median of --load-repeats loads, default 1, --tiny 5:
 a tiny model loads in about as long as its noise; each after the pack's background reads of the one before
-ended; with more than one, after one load not counted), time to the first step (from the sampled load's call to the end of the first model call),
-seconds per later step (median), peak VRAM above the starting point (torch.cuda.max_memory_allocated)
-and the process's total (peak reserved by torch's allocator + what the driver reports in use), the
+ended; with more than one, after one load not counted), time to the first step (from the sampled load's call
+to the end of the first model call), seconds per later step (median), peak VRAM above the starting point
+(torch.cuda.max_memory_allocated) and the process's total (peak reserved by torch's allocator + what the driver reports in use), the
 latent's SQNR against stock_bf16 (float64).
 Then:
   offload    pack_auto again with ComfyUI's reserved VRAM (the --reserve-vram setting) raised so that

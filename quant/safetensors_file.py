@@ -514,9 +514,8 @@ class DeferredReads:
 
     def _read_into(self, fill: _Fill) -> None:
         fd = self._file.fileno()
-        view = memoryview(fill.buffer.numpy()).cast("B")
         try:
-            done = reads.read_at(fd, view, fill.offset)  # one thread: the load goes on beside it
+            done = reads.read_at(fd, fill.buffer.numpy(), fill.offset)  # one thread: the load goes on beside it
             st = os.fstat(fd)
         except OSError as exc:
             raise _err(self.path, fill.key, f"reading this tensor failed ({exc})") from exc
