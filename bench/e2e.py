@@ -27,7 +27,8 @@ Variants, one after another in one process (ComfyUI's free-memory step between t
   pack_weight_only_copies  (CPU only) the same with dequantized_copies_gb 16: each layer dequantized once and kept
 Per variant: the load's seconds (the loader node's call; the median of --load-repeats loads, default 1, --tiny 5:
 a tiny model loads in about as long as its noise; each after the pack's background reads of the one before
-ended; with more than one, after one load not counted), time to the first step (from the sampled load's call
+ended; with more than one, all but the sampled one in rounds in which the variants take turns, after one round
+not counted), time to the first step (from the sampled load's call
 to the end of the first model call), seconds per later step (median), peak VRAM above the starting point
 (torch.cuda.max_memory_allocated) and the process's total (peak reserved by torch's allocator + what the driver reports in use), the
 latent's SQNR against stock_bf16 (float64).
@@ -517,15 +518,27 @@ def extra_loads(c: Comfy, load, n: int) -> list[float]:
     return seconds
 
 
-def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram, load_repeats: int = 1):
-    # a load of a tiny model takes some 10-50 ms, as much as its noise: its figure is the median of
-    # load_repeats loads, the last of which is the one sampled (its first step counts from its start), after one
-    # load not counted (the first loads after another variant's read into memory the allocator hands out afresh:
-    # with --cpu-isa avx2 the first pack variant's first two loads took 45-49 ms, its next three and the other
-    # pack variants' 28-36, so whichever variant came first read slower)
-    if load_repeats > 1:
+def interleaved_loads(c: Comfy, loads: dict, rounds: int) -> dict:
+    """{variant: seconds of its ``rounds`` loads}, the variants taking turns within each round, after one round
+    not counted. A load of a tiny model takes some 10-50 ms, as much as its noise, and what the loads before it
+    left (pages the allocator hands out afresh, the other variants' objects) weighs on it: with --cpu-isa avx2
+    whichever pack variant loaded first, each in a block of its own, read 25-60% slower than the next, whatever
+    the variant. Taking turns, every variant loads after every other as often. No loads at all for no rounds."""
+    if rounds < 1:
+        return {}
+    for load in loads.values():
         extra_loads(c, load, 1)
-    loads = extra_loads(c, load, load_repeats - 1)
+    seconds: dict = {name: [] for name in loads}
+    for _ in range(rounds):
+        for name, load in loads.items():
+            seconds[name] += extra_loads(c, load, 1)
+    return seconds
+
+
+def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram, earlier_loads: list | None = None):
+    # the load figure: the median of the sampled load (its first step counts from its start) and
+    # ``earlier_loads``, this variant's seconds from ``interleaved_loads``
+    loads = list(earlier_loads or [])
     settle(c)
     base = vram.reset()
     t0 = time.perf_counter()
@@ -981,10 +994,10 @@ def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result
     def run_size(size_shape: Shape, names, keep: dict, tag: str) -> tuple:
         fresh_book(work, size_shape.image)
         rows, latents = [], {}
-        for name, load in loaders(c, files).items():
-            if name not in names:
-                continue
-            got = guarded(f"{name}{tag}", run_variant, c, name, load, size_shape, positive, vram, args.load_repeats)
+        chosen = {name: load for name, load in loaders(c, files).items() if name in names}
+        earlier = guarded(f"loads{tag}", interleaved_loads, c, chosen, args.load_repeats - 1) or {}
+        for name, load in chosen.items():
+            got = guarded(f"{name}{tag}", run_variant, c, name, load, size_shape, positive, vram, earlier.get(name))
             if got is None:
                 rows.append({"variant": name, "error": errors[f"{name}{tag}"]})
                 continue

@@ -108,3 +108,28 @@ def test_a_two_size_result_prints_a_row_per_size_and_keeps_the_first_sizes_keys(
     assert sum("   20  pack_auto " in l for l in table.splitlines()) == 1
     assert "not run at this size (first size only): stock_fp8_cast, stock_fp8_fast" in table
     assert "512 px (1040 tokens), time over time: later step pack_auto / stock_bf16 0.50," in table
+
+
+def test_interleaved_loads_take_turns_after_a_round_not_counted(e2e, monkeypatch):
+    """The variants' counted loads alternate (each round loads every variant once, in order) and the first round is
+    not counted; no rounds loads nothing. The clock is a fake one that advances by what each load is charged."""
+    order, now = [], [0.0]
+    charge = {"a": 1.0, "b": 10.0}
+
+    def loader(name):
+        def load():
+            order.append(name)
+            now[0] += charge[name] * (3 if order.count(name) == 1 else 1)  # a first load slower: never counted
+            return object()
+        return load
+
+    class FakeComfy:  # what settle() asks of ComfyUI: freeing memory (nothing held here)
+        def free(self):
+            pass
+
+    monkeypatch.setattr(e2e.time, "perf_counter", lambda: now[0])
+    got = e2e.interleaved_loads(FakeComfy(), {"a": loader("a"), "b": loader("b")}, 3)
+    assert order == ["a", "b"] * 4
+    assert got == {"a": [1.0, 1.0, 1.0], "b": [10.0, 10.0, 10.0]}
+    order.clear()
+    assert e2e.interleaved_loads(FakeComfy(), {"a": loader("a")}, 0) == {} and order == []
