@@ -26,7 +26,7 @@ import torch
 from ...errors import QuantizationError
 from ...kernels.int8_mm import quantize_rows_int8_torch
 from ...layouts.fp8 import fp8_to
-from ...layouts.int8 import hadamard
+from ...layouts.int8 import FACTORED_MIN_BLOCK, hadamard, rotate_factored
 from ...runtime import first_line, log_once, tracing, workspace
 from ...tensor import DROPPED_FP8_FORM, QuantizedTensor
 from .. import int8, proof
@@ -237,7 +237,7 @@ def _row_blocks(reference, w8, saved: torch.Tensor | None = None):
     if (rot and k % rot) or w8.scale.numel() not in (1, n):
         return None
     s8 = w8.scale.to(torch.float32).reshape(-1)
-    h = hadamard(rot, w8.layout.regular) if rot else None
+    h = hadamard(rot, w8.layout.regular) if rot and rot < FACTORED_MIN_BLOCK else None
     step = max(1, SQNR_BLOCK_ELEMS // k)
     q_fp8, q_int8 = reference.qdata.view(torch.uint8), w8.qdata
 
@@ -260,8 +260,11 @@ def _row_blocks(reference, w8, saved: torch.Tensor | None = None):
             # float32 would cast the codes to a fresh float32 temporary first)
             if rot:  # back to the weight's own basis (blockdiag(H).T, as Int8.dequantize does)
                 turned = workspace("sqnr_rotated", m * k, torch.float32).view(m, k)
-                torch.matmul(got.view(m, k // rot, rot), h.T, out=turned.view(m, k // rot, rot))
-                got = turned
+                if rot >= FACTORED_MIN_BLOCK:  # by its Kronecker factors: 32 multiply-adds an element, not 256
+                    rotate_factored(got, rot, w8.layout.regular, out=got, scratch=turned)
+                else:
+                    torch.matmul(got.view(m, k // rot, rot), h.T, out=turned.view(m, k // rot, rot))
+                    got = turned
             err += float(got.sub_(ref).square_().sum())
             sig += float(ref.square_().sum())
         return err, sig
