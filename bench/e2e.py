@@ -27,8 +27,8 @@ Variants, one after another in one process (ComfyUI's free-memory step between t
   pack_weight_only_copies  (CPU only) the same with dequantized_copies_gb 16: each layer dequantized once and kept
 Per variant: the load's seconds (the loader node's call; the median of --load-repeats loads, default 1, --tiny 5:
 a tiny model loads in about as long as its noise; each after the pack's background reads of the one before
-ended; with more than one, all but the sampled one in rounds in which the variants take turns, after one round
-not counted), time to the first step (from the sampled load's call
+ended; with more than one, all but the sampled one in rounds in which the variants take turns, each counted load
+right after an uncounted one of its own variant), time to the first step (from the sampled load's call
 to the end of the first model call), seconds per later step (median), peak VRAM above the starting point
 (torch.cuda.max_memory_allocated) and the process's total (peak reserved by torch's allocator + what the driver reports in use), the
 latent's SQNR against stock_bf16 (float64).
@@ -519,20 +519,19 @@ def extra_loads(c: Comfy, load, n: int) -> list[float]:
 
 
 def interleaved_loads(c: Comfy, loads: dict, rounds: int) -> dict:
-    """{variant: seconds of its ``rounds`` loads}, the variants taking turns within each round, after one round
-    not counted. A load of a tiny model takes some 10-50 ms, as much as its noise, and what the loads before it
-    left (pages the allocator hands out afresh, the other variants' objects) weighs on it: with --cpu-isa avx2
-    whichever pack variant loaded first, each in a block of its own, read 25-60% slower than the next, whatever
-    the variant. Taking turns, every variant loads after every other as often. No loads at all for no rounds."""
-    if rounds < 1:
-        return {}
-    for load in loads.values():
-        extra_loads(c, load, 1)
+    """{variant: seconds of its ``rounds`` counted loads}: in each round every variant loads twice in a row, the
+    second load counted. A load of a tiny model takes some 10-50 ms, as much as its noise, and much of it is
+    what the load before left: the fresh pages its reads fault in where the allocator has no freed memory of
+    the right sizes to hand out (pack variants' loads right after a stock one took 10-15 ms more, whichever
+    variant it was; with --cpu-isa avx2 the first pack variant in a block of its own read 25-60% slower). A
+    counted load always follows a load of its own variant; the rounds spread every variant's over the run.
+    No loads at all for no rounds."""
     seconds: dict = {name: [] for name in loads}
-    for _ in range(rounds):
+    for _ in range(max(0, rounds)):
         for name, load in loads.items():
+            extra_loads(c, load, 1)
             seconds[name] += extra_loads(c, load, 1)
-    return seconds
+    return seconds if rounds > 0 else {}
 
 
 def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram, earlier_loads: list | None = None):

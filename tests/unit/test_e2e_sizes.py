@@ -110,16 +110,18 @@ def test_a_two_size_result_prints_a_row_per_size_and_keeps_the_first_sizes_keys(
     assert "512 px (1040 tokens), time over time: later step pack_auto / stock_bf16 0.50," in table
 
 
-def test_interleaved_loads_take_turns_after_a_round_not_counted(e2e, monkeypatch):
-    """The variants' counted loads alternate (each round loads every variant once, in order) and the first round is
-    not counted; no rounds loads nothing. The clock is a fake one that advances by what each load is charged."""
+def test_interleaved_loads_count_each_variants_second_load_in_turn(e2e, monkeypatch):
+    """Each round loads every variant twice in a row and counts the second (a load right after one of its own
+    variant); the variants take turns; no rounds loads nothing. The clock is a fake one that advances by what
+    each load is charged: a load after another variant's costs more, and is never counted."""
     order, now = [], [0.0]
     charge = {"a": 1.0, "b": 10.0}
 
     def loader(name):
         def load():
+            after_another = not order or order[-1] != name
             order.append(name)
-            now[0] += charge[name] * (3 if order.count(name) == 1 else 1)  # a first load slower: never counted
+            now[0] += charge[name] * (3 if after_another else 1)
             return object()
         return load
 
@@ -129,7 +131,7 @@ def test_interleaved_loads_take_turns_after_a_round_not_counted(e2e, monkeypatch
 
     monkeypatch.setattr(e2e.time, "perf_counter", lambda: now[0])
     got = e2e.interleaved_loads(FakeComfy(), {"a": loader("a"), "b": loader("b")}, 3)
-    assert order == ["a", "b"] * 4
+    assert order == ["a", "a", "b", "b"] * 3
     assert got == {"a": [1.0, 1.0, 1.0], "b": [10.0, 10.0, 10.0]}
     order.clear()
     assert e2e.interleaved_loads(FakeComfy(), {"a": loader("a")}, 0) == {} and order == []
