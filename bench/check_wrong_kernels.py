@@ -5,7 +5,8 @@
 Replaces ``torch._int_mm`` and ``torch._scaled_mm`` themselves (the functions the pack calls, below all of
 its own code) by versions that are wrong in one way a real kernel goes wrong, then runs linears through
 the pack's real dispatch at several token counts, the fp8 path forced, the int8 path forced, and "auto" on
-an int8 weight (where this CPU proves and times int8 against weight-only), each in a fresh book:
+an int8 weight (where this CPU proves and times int8 against weight-only) and on an FP8 one (where a CPU with
+fast int8 converts it, in its own storage, at its first call that runs int8), each in a fresh book:
 
     1% off         every product 1% too large
     tail rows      rows past the last full 16-row tile zeroed (m = 40, 77)
@@ -79,15 +80,20 @@ def _install(fault):
 
 def run_case(fault: str, mode: str, w: torch.Tensor) -> dict:
     book = Book()
-    fp8 = QuantizedTensor.from_float(w, PerRow())
-    weight = qint8.to_int8(fp8) if mode == "int8 auto" else fp8
-    path = {"fp8 forced": "fp8", "int8 forced": "int8", "int8 auto": "auto"}[mode]
-    cfg = ComputeConfig(path=path, book=Book(every_size=True) if mode == "int8 auto" else book)
+
+    def make():  # "fp8 auto" converts an FP8 weight in its own storage: each run gets a weight of its own
+        fp8 = QuantizedTensor.from_float(w, PerRow())
+        return qint8.to_int8(fp8) if mode == "int8 auto" else fp8
+
+    weight = make()
+    path = {"fp8 forced": "fp8", "int8 forced": "int8", "int8 auto": "auto", "fp8 auto": "auto"}[mode]
+    cfg = ComputeConfig(path=path, book=Book(every_size=True) if mode.endswith("auto") else book)
     wo = ComputeConfig(path="weight_only", book=Book())
     right_cfg = ComputeConfig(path=path, book=Book(every_size=True))
     xs = {m: torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16) for m in TOKENS}
     with torch.no_grad():
-        right = {m: linear(x, weight, None, right_cfg) for m, x in xs.items()}  # the real kernels
+        twin = make() if mode == "fp8 auto" else weight
+        right = {m: linear(x, twin, None, right_cfg) for m, x in xs.items()}  # the real kernels
     served_wrong = []
     restore = _install(fault)
     try:
@@ -116,7 +122,7 @@ def main() -> int:
     results = []
     print(f"{'fault':<12}{'path':<13}{'wrong products served':<40}verdict")
     for fault in ("1% off", "tail rows", "nan row", "gemv", "n tail", "past slices"):
-        for mode in ("fp8 forced", "int8 forced", "int8 auto"):
+        for mode in ("fp8 forced", "int8 forced", "int8 auto", "fp8 auto"):
             r = run_case(fault, mode, large if fault == "past slices" else w)
             results.append(r)
             told = "; ".join(r["served_wrong"]) or "none"

@@ -34,7 +34,7 @@ from ..tensor import QuantizedTensor
 from . import prove
 from .book import M_CLASSES, Key, Verdict, default_book, shape_class
 from .paths import PATHS, REGISTRY, WEIGHT_ONLY
-from .paths.int8 import INT8, convert_in_place, drop_fp8_form, drops_fp8_form, served_plain
+from .paths.int8 import INT8, convert_in_place, drop_fp8_form, drops_fp8_form, has_conversion, served_plain
 from .paths.plain import rotation_macs
 from .int8 import is_int8
 from .scaled_mm import fp8_supported
@@ -118,10 +118,17 @@ def _build(x2d, w, bias, cfg: ComputeConfig, cdt, grad: bool, book):
             v = prove.settle(book, device, key, WEIGHT_ONLY.name, f"too small to prove ({prove.SMALL_MACS >> 20} M "
                              "multiply-adds a call at most): the plain path")
         else:
-            operands = {name: REGISTRY[name].operand(w, cfg, device, cdt) for name in names}
+            operands, first_rows = {}, set()
+            for name in names:
+                # a path may prove itself on an operand of the weight's first rows, those the proof times
+                part = (REGISTRY[name].rows_operand(w, cfg, device, cdt, prove.TIME_ROWS)
+                        if not forced and prove.timed_on_rows(device, w) else None)
+                if part is not None:
+                    first_rows.add(name)
+                operands[name] = part if part is not None else REGISTRY[name].operand(w, cfg, device, cdt)
             b = None if bias is None else bias.detach().to(cdt)
             try:
-                v = prove.decide(book, device, key, operands, b, cdt, cfg, x2d.dtype, n, k)
+                v = prove.decide(book, device, key, operands, b, cdt, cfg, x2d.dtype, n, k, frozenset(first_rows))
             except Exception as exc:  # out of memory while proving (all else is a verdict): this call plain
                 if not is_oom(exc):
                     raise
@@ -203,12 +210,21 @@ def _call_shape(x2d, w) -> tuple:
 
 def _fast(route: _Route, x2d, w, bias, cfg, cdt, book):
     """The route's fast path on this call, or None where the call takes the plain path (see the docstring)."""
-    path, device = route.path, x2d.device
-    if path is INT8 and not is_int8(w) and drops_fp8_form(w, cfg) and (route.key is None
-                                                                       or _call_shape(x2d, w) in route.covered):
+    if route.path is INT8 and not is_int8(w) and drops_fp8_form(w, cfg) and not has_conversion(w, cfg):
+        # its kind of call runs int8: on the CPU converted in its own storage, no second copy. A new shape is
+        # checked first (``_fast_call``; where the check fails, the weight runs its int8 form weight-only); the
+        # int8 form's kinds then take the verdicts and the shapes checked, this call's included
         routes = w.__dict__.get("_routes")
-        if convert_in_place(w, cfg, device):  # a call int8 is proven for, on the CPU: no second copy
-            _dropped(w, w, routes, cfg, book)
+        if convert_in_place(w, cfg, x2d.device):
+            try:
+                return _fast_call(route, x2d, w, bias, cfg, cdt, book)
+            finally:
+                _dropped(w, w, routes, cfg, book)
+    return _fast_call(route, x2d, w, bias, cfg, cdt, book)
+
+
+def _fast_call(route: _Route, x2d, w, bias, cfg, cdt, book):
+    path, device = route.path, x2d.device
     wop = path.operand(w, cfg, device, cdt)
     if wop is None or not path.accepts(x2d, wop):
         return None

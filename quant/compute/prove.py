@@ -37,8 +37,8 @@ from .paths.base import ref_product, weight_reference
 
 logger = logging.getLogger("fp8_engram.quant.compute.linear")
 
-__all__ = ["decide", "check_call", "too_small", "settle", "extrapolate", "WIN", "ROUNDS", "BUDGET_S", "DECISIVE",
-           "TIME_ROWS", "SMALL_ROWS", "SMALL_MACS", "M_CLASSES"]
+__all__ = ["decide", "check_call", "too_small", "settle", "extrapolate", "timed_on_rows", "WIN", "ROUNDS", "BUDGET_S",
+           "DECISIVE", "TIME_ROWS", "SMALL_ROWS", "SMALL_MACS", "M_CLASSES"]
 
 WIN = 0.97
 ROUNDS = 3
@@ -94,13 +94,22 @@ def _wref(wop, sample: proof.Sample):
     return get
 
 
-def _slices(device, w, bias) -> dict:
+def timed_on_rows(device, w) -> bool:
+    """Whether candidates for ``w`` are judged and timed on its first rows (a CPU weight of more than twice
+    TIME_ROWS rows), so that an operand of its first TIME_ROWS rows is all a proof needs."""
+    return (torch.device(device).type == "cpu" and not w.transposed and w.qdata.dim() == 2
+            and w.qdata.shape[0] > 2 * TIME_ROWS)
+
+
+def _slices(device, w, bias, n: int | None = None) -> dict:
     """{rows: (weight, bias) of ``w``'s first rows} at SMALL_ROWS and TIME_ROWS, where candidates are timed
-    on the CPU for a weight of more than twice TIME_ROWS rows; empty to time the whole weight."""
+    on the CPU for a weight of more than twice TIME_ROWS rows (``n``: the whole weight's, where ``w`` holds only its
+    first rows); empty to time the whole weight."""
     from ..tensor import QuantizedTensor
 
-    n = w.qdata.shape[0]
-    if torch.device(device).type != "cpu" or w.transposed or w.qdata.dim() != 2 or n <= 2 * TIME_ROWS:
+    n = w.qdata.shape[0] if n is None else n
+    if (torch.device(device).type != "cpu" or w.transposed or w.qdata.dim() != 2 or n <= 2 * TIME_ROWS
+            or w.qdata.shape[0] < TIME_ROWS):
         return {}
     out = {}
     for rows in (SMALL_ROWS, TIME_ROWS):
@@ -112,10 +121,13 @@ def _slices(device, w, bias) -> dict:
     return out
 
 
-def decide(book: Book, device, key: Key, operands: dict, bias, cdt, cfg, x_dtype, n: int, k: int) -> Verdict:
+def decide(book: Book, device, key: Key, operands: dict, bias, cdt, cfg, x_dtype, n: int, k: int,
+           first_rows: frozenset = frozenset()) -> Verdict:
     """Prove the candidates (``operands``: path name -> the weight that path multiplies), time those that
-    pass, and file the verdict under ``key``. Raises nothing but out of memory: a candidate that raises
-    fails its proof."""
+    pass, and file the verdict under ``key``. ``first_rows``: the names whose operand holds only the weight's
+    first TIME_ROWS rows (``Path.rows_operand``; only where ``timed_on_rows``): judged and timed on those as any
+    candidate is, its time for the whole weight's ``n`` rows extrapolated as for the others. Raises nothing but
+    out of memory: a candidate that raises fails its proof."""
     started = time.perf_counter()
     m = key.rep_m
     xp = proof.seeded_activation(m, k, x_dtype, device)
@@ -132,12 +144,16 @@ def decide(book: Book, device, key: Key, operands: dict, bias, cdt, cfg, x_dtype
             continue
         run = (lambda path=path, wop=wop: path.run(xp, wop, bias, cdt, cfg, op=True))
         cand = proof.Candidate(run=run)
+        partial = name in first_rows
         if not forced:
-            sl = slices_of.setdefault(id(wop), _slices(device, wop, bias))
+            sl = slices_of.setdefault(id(wop), _slices(device, wop, bias, n if partial else None))
             if sl:
                 cand.timed = {r: (lambda path=path, ws=ws, bs=bs: path.run(xp, ws, bs, cdt, cfg, op=True))
                               for r, (ws, bs) in sl.items()}
-                cand.rows = wop.qdata.shape[0]
+                cand.rows = n if partial else wop.qdata.shape[0]
+        if partial and not cand.timed:  # never timed as if it were the whole weight
+            proofs[name] = proof.Proof(False, -math.inf, math.nan, "its first rows' operand cannot be timed here")
+            continue
         cands[name] = cand
         if path.plain and cand.timed:
             # the plain path is the reference math itself and always passes: timed on the slices only

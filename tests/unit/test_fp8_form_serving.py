@@ -71,7 +71,7 @@ def test_weights_whose_calls_all_ran_int8_become_their_int8_form_in_place(monkey
         assert torch.equal(y, y_kept)  # the same bits as with both forms kept
         assert qint8.is_int8(w) and torch.equal(w.qdata, w8.qdata) and torch.equal(w.scale, w8.scale)
         assert dropped_fp8_form(w).layout == k.layout and not converted(w)
-    # the proof's weight got a copy (its FP8 rows were the proof's reference); the others converted in place
+    # the proof's weight (512 rows: proven whole) got a copy, the proof's operand; the others converted in place
     assert [w.qdata.data_ptr() == p for w, p in zip(served, ptrs)] == [False, True, True]
     c = book.conversions("cpu")
     assert (c["layers"], c["dropped_layers"], c["dropped_parameters"]) == (3, 3, 3 * 512 * 1024)

@@ -1,9 +1,9 @@
 """"auto" converts a weight to int8 only where its calls run int8 (quant/compute/paths/int8.py), on the CPU.
 
 The loaders keep the file's weights; under "auto", on a device with fast INT8 and no FP8 units, the first
-weight of a kind of call is converted for the proof, and the others only when their calls run int8. The
-capability itself (``int8_supported``: VNNI/AMX here) is set for these tests, so an AVX2 machine runs them
-too; which path wins is set by a fake clock (no wall-clock margin decides).
+weight of a kind of call is converted for the proof (a large one: its first rows only), and the others only when
+their calls run int8. The capability itself (``int8_supported``: VNNI/AMX here) is set for these tests, so an AVX2
+machine runs them too; which path wins is set by a fake clock (no wall-clock margin decides).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedTensor, linear
-from fp8_engram.quant.compute import Book, int8 as qint8
+from fp8_engram.quant.compute import Book, int8 as qint8, prove
 from fp8_engram.quant.compute.paths.int8 import convert_in_place, dropped_fp8_form, sampled_conversion_sqnr_db
 from helpers.allocations import bytes_allocated
 from helpers.int8_calls import activation, converted, fake_clock, fp8_weights
@@ -93,7 +93,7 @@ def test_memory_first_keeps_the_fp8_form_where_weight_only_wins(monkeypatch):
 
 
 def test_memory_first_converts_proven_weights_in_their_own_storage(monkeypatch):
-    """The proof's weight gets a second copy (its FP8 rows are the proof's reference); every later weight of
+    """The proof's weight (512 rows: proven whole) gets a second copy, the proof's operand; every later weight of
     the kind is converted where its FP8 codes were: the same bits, the same storage, the same figure."""
     fake_clock(monkeypatch, plain_s=0.5, int8_s=0.01)
     x = activation()
@@ -189,3 +189,76 @@ def test_an_in_place_conversion_allocates_a_fraction_of_the_codes():
     copying = bytes_allocated(lambda: qint8.to_int8(ws[2]))
     codes = 1024 * 2048
     assert qint8.is_int8(ws[1]) and copying >= codes and in_place < codes // 16, (in_place, copying)
+
+
+def _recording_conversions(monkeypatch) -> list:
+    """The row counts of every copying int8 conversion from here on (in-place ones are not copies)."""
+    rows, real = [], qint8.to_int8
+
+    def recording(w, *a, **k):
+        rows.append(w.qdata.shape[0])
+        return real(w, *a, **k)
+
+    monkeypatch.setattr(qint8, "to_int8", recording)
+    return rows
+
+
+def test_a_large_weight_is_proven_on_its_first_rows_and_converted_in_its_own_storage(monkeypatch):
+    """A CPU weight of more than 2 x TIME_ROWS rows, its kind's first: the proof converts its first TIME_ROWS rows
+    only, and the call that runs int8 converts the whole weight where its codes were (no second copy), checks
+    its own shape, and serves what the int8 product of the weight's conversion gives; the second call of that
+    shape is not checked again (the int8 form's kind took the shape the call was checked at)."""
+    fake_clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    n = 2 * prove.TIME_ROWS + 256
+    (w,), (twin,) = fp8_weights(1, n=n), fp8_weights(1, n=n)  # the same values twice
+    want = qint8.int8_linear(activation(), qint8.to_int8(twin), None, torch.bfloat16)
+    copies = _recording_conversions(monkeypatch)
+    checks, real_check = [], prove.check_call
+    monkeypatch.setattr(prove, "check_call", lambda *a, **k: checks.append(a[4].shape) or real_check(*a, **k))
+    book = Book()
+    cfg = ComputeConfig(book=book)
+    ptr = w.qdata.data_ptr()
+    y = linear(activation(), w, None, cfg)
+    assert copies == [prove.TIME_ROWS], "the proof converted more than the rows it is timed on"
+    assert qint8.is_int8(w) and w.qdata.data_ptr() == ptr and dropped_fp8_form(w) is not None
+    assert torch.equal(y, want)
+    assert checks == [(40, 1024)] and book.conversions("cpu")["layers"] == 1
+    assert torch.equal(linear(activation(), w, None, cfg), want) and checks == [(40, 1024)]
+
+
+def test_a_large_weight_where_weight_only_wins_is_never_converted_whole(monkeypatch):
+    fake_clock(monkeypatch, plain_s=0.01, int8_s=0.5)
+    n = 2 * prove.TIME_ROWS + 256
+    (w,) = fp8_weights(1, n=n)
+    copies = _recording_conversions(monkeypatch)
+    book = Book()
+    y = linear(activation(), w, None, ComputeConfig(book=book))
+    assert copies == [prove.TIME_ROWS] and not converted(w) and w.qdata.dtype == torch.float8_e4m3fn
+    assert book.conversions("cpu") is None  # nothing converted
+    assert torch.equal(y, linear(activation(), w, None, ComputeConfig(path="weight_only")))
+
+
+def test_a_kernel_wrong_past_the_proven_rows_after_the_in_place_conversion_serves_the_int8_form_weight_only(
+        monkeypatch):
+    """The int8 kernel right on the proof's first rows and wrong on the whole weight: the whole weight was
+    converted in place when its call ran int8, the call's own check refuses int8 for the kind, on record, and the
+    call (and every later one) gets weight-only's product of the int8 form, the values it now holds."""
+    fake_clock(monkeypatch, plain_s=0.5, int8_s=0.01)
+    n = 2 * prove.TIME_ROWS + 256
+    real = qint8.int8_linear_mm
+
+    def wrong_past_the_proven_rows(xq, sa, wq, sb, bias, out_dtype):
+        out = real(xq, sa, wq, sb, bias, out_dtype)
+        if wq.shape[0] == n:
+            out[:, -1] += 1.0
+        return out
+
+    monkeypatch.setattr(qint8, "int8_linear_mm", wrong_past_the_proven_rows)
+    (w,) = fp8_weights(1, n=n)
+    book = Book()
+    cfg = ComputeConfig(book=book)
+    y = linear(activation(), w, None, cfg)
+    assert qint8.is_int8(w)
+    wo = linear(activation(), w, None, ComputeConfig(path="weight_only"))
+    assert torch.equal(y, wo) and torch.equal(linear(activation(), w, None, cfg), wo)
+    assert any("int8 refused" in v.why for v in book.verdicts("cpu")), [v.why for v in book.verdicts("cpu")]

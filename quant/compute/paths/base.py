@@ -44,6 +44,12 @@ class Path:
     def operand(self, w, cfg, device, cdt):
         return None
 
+    def rows_operand(self, w, cfg, device, cdt, rows: int):
+        """The operand of ``w``'s first ``rows`` rows alone, for a proof timed on them (``prove.decide`` on a
+        large CPU weight), where this path would rather not make the whole operand before its verdict; None to
+        make the whole one (the default)."""
+        return None
+
     def accepts(self, x2d: torch.Tensor, wop) -> bool:
         return True
 

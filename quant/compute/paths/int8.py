@@ -5,8 +5,9 @@ It multiplies Int8 weights: ComfyUI's int8 files as they are, and the pack's own
 weights, made once per weight on its own device and kept beside it (``int8.to_int8``): under "int8" for
 every weight (the loaders convert at load), under "auto" where the device has fast INT8 and no FP8 units
 (``int8_supported``) for a weight whose kind of call this path was proven right and measured faster on:
-the first weight of a kind is converted for its proof, the others when they first run int8, and a model
-whose calls never run int8 converts nothing. The file's form stays beside the conversion only while it serves
+the first weight of a kind is converted for its proof (a CPU weight of more than twice ``prove.TIME_ROWS`` rows: its
+first rows only, those the proof times: ``int8_rows_operand``), every other when it first runs int8, and a model
+whose calls never run int8 converts nothing more. The file's form stays beside the conversion only while it serves
 (``ComputeConfig.fp8_form``): a weight that already ran weight-only keeps both forms (about one more byte per
 parameter), one whose calls all ran int8 becomes its int8 form in place (``drop_fp8_form``). Under
 "auto" it is a candidate for int8 weights wherever an int8 GEMM runs (``int8_available``; by
@@ -35,7 +36,7 @@ from .base import Path, bias_cols, cached_on_weight, weight_reference
 
 __all__ = ["Int8Path", "INT8", "int8_operand", "int8_takes", "sampled_conversion_sqnr_db", "SQNR_ROWS",
            "drop_fp8_form", "FP8Form", "dropped_fp8_form", "carry_fp8_form", "in_fp8_form", "convert_in_place",
-           "drops_fp8_form", "served_plain", "FP8_SERVED"]
+           "drops_fp8_form", "served_plain", "FP8_SERVED", "int8_rows_operand", "has_conversion"]
 
 logger = logging.getLogger("fp8_engram.quant.compute.linear")
 
@@ -307,6 +308,31 @@ def _book(cfg):
     return cfg.book if cfg.book is not None else default_book()
 
 
+def int8_rows_operand(w, cfg, device, rows: int):
+    """For the proof of a large CPU FP8 weight under "auto" (``prove.timed_on_rows``): the int8 conversion of its
+    first ``rows`` rows only, those the proof judges and times. The whole weight is converted only where its
+    kind of call then runs int8, at that call: in its own storage where ``drops_fp8_form`` (no second copy: the
+    fresh pages of a copy of each kind's first weight were a large part of a first step), else beside it; where
+    weight-only wins, it never is. None where the weight already has its conversion (the proof multiplies it),
+    is int8 already, or is not a CPU FP8 weight under "auto"."""
+    if (tracing() or torch.device(device).type != "cpu" or int8.is_int8(w) or cfg.path != "auto"
+            or not int8_takes(w, cfg, device) or has_conversion(w, cfg) or _fp8_row_access(w) is None):
+        return None
+    parts = w.layout.first_rows(w.qdata, w.scale, rows)
+    if parts is None:
+        return None
+    head = QuantizedTensor.from_parts(parts[0], parts[1], w.layout, orig_dtype=w.orig_dtype, config=w.config)
+    try:
+        return int8.to_int8(head, None if cfg.int8_rotation else 0)
+    except QuantizationError:
+        return None  # the whole weight's conversion says why, once
+
+
+def has_conversion(w, cfg) -> bool:
+    """Whether ``w`` holds its int8 conversion for ``cfg``'s rotation choice beside its FP8 form (``int8_operand``)."""
+    return ("int8" if cfg.int8_rotation else "int8_unrotated") in w.__dict__.get("_derived", {})
+
+
 class Int8Path(Path):
     name = "int8"
 
@@ -315,6 +341,9 @@ class Int8Path(Path):
 
     def operand(self, w, cfg, device, cdt):
         return int8_operand(w, cfg, device)
+
+    def rows_operand(self, w, cfg, device, cdt, rows: int):
+        return int8_rows_operand(w, cfg, device, rows)
 
     def trusted(self, m, device) -> bool:
         return int8.int8_fast(device)
