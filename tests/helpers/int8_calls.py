@@ -42,6 +42,20 @@ def fake_clock(monkeypatch, plain_s: float, int8_s: float):
     monkeypatch.setattr(qint8, "int8_linear_mm", mm)
 
 
+def int8_wrong_for(monkeypatch, rows: int) -> None:
+    """The int8 GEMM wrong (its last output one too large) for a weight of ``rows`` rows only: right on the first
+    rows a proof judges and times a large CPU weight on, wrong on the whole weight."""
+    real = qint8.int8_linear_mm
+
+    def wrong(xq, sa, wq, sb, bias, out_dtype):
+        out = real(xq, sa, wq, sb, bias, out_dtype)
+        if wq.shape[0] == rows:
+            out[:, -1] += 1.0
+        return out
+
+    monkeypatch.setattr(qint8, "int8_linear_mm", wrong)
+
+
 def fp8_weights(count=3, n=512, k=1024):
     """``count`` per-row FP8 weights [n, k] of seeded random values (the same values at every call)."""
     g = torch.Generator().manual_seed(0)

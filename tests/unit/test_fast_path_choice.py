@@ -21,6 +21,7 @@ import torch
 from fp8_engram.quant import ComputeConfig, PerRow, QuantizedTensor, linear
 from fp8_engram.quant.compute import Book, default_book, int8 as qint8, proof, prove
 from fp8_engram.quant.layouts import Int8
+from helpers.int8_calls import int8_wrong_for
 
 sm = importlib.import_module("fp8_engram.quant.compute.scaled_mm")
 
@@ -429,15 +430,7 @@ def test_an_error_past_the_proven_rows_is_caught_at_the_call(monkeypatch):
     """An int8 kernel right on a large weight's first TIME_ROWS rows (where it is proven and timed) and wrong in
     its last output: the call's own check refuses it, on record, and the call returns the plain path's output."""
     rows = 2 * prove.TIME_ROWS + 512
-    real_mm = qint8.int8_linear_mm
-
-    def wrong_past_the_slices(xq, sa, wq, sb, bias, out_dtype):
-        out = real_mm(xq, sa, wq, sb, bias, out_dtype)
-        if wq.shape[0] == rows:
-            out[:, -1] += 1.0
-        return out
-
-    monkeypatch.setattr(qint8, "int8_linear_mm", wrong_past_the_slices)
+    int8_wrong_for(monkeypatch, rows)
     wq, w8 = _weights(n=rows, k=256)
     x = _x(m=40, k=256)
     y = linear(x, w8, None, AUTO)

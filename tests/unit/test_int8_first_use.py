@@ -15,7 +15,7 @@ from fp8_engram.quant import Block, ComputeConfig, PerRow, PerTensor, QuantizedT
 from fp8_engram.quant.compute import Book, int8 as qint8, prove
 from fp8_engram.quant.compute.paths.int8 import convert_in_place, dropped_fp8_form, sampled_conversion_sqnr_db
 from helpers.allocations import bytes_allocated
-from helpers.int8_calls import activation, converted, fake_clock, fp8_weights
+from helpers.int8_calls import activation, converted, fake_clock, fp8_weights, int8_wrong_for
 
 
 @pytest.fixture(autouse=True)
@@ -245,15 +245,7 @@ def test_a_kernel_wrong_past_the_proven_rows_after_the_in_place_conversion_serve
     call (and every later one) gets weight-only's product of the int8 form, the values it now holds."""
     fake_clock(monkeypatch, plain_s=0.5, int8_s=0.01)
     n = 2 * prove.TIME_ROWS + 256
-    real = qint8.int8_linear_mm
-
-    def wrong_past_the_proven_rows(xq, sa, wq, sb, bias, out_dtype):
-        out = real(xq, sa, wq, sb, bias, out_dtype)
-        if wq.shape[0] == n:
-            out[:, -1] += 1.0
-        return out
-
-    monkeypatch.setattr(qint8, "int8_linear_mm", wrong_past_the_proven_rows)
+    int8_wrong_for(monkeypatch, n)
     (w,) = fp8_weights(1, n=n)
     book = Book()
     cfg = ComputeConfig(book=book)
