@@ -526,12 +526,14 @@ def interleaved_loads(c: Comfy, loads: dict, rounds: int) -> dict:
     variant it was; with --cpu-isa avx2 the first pack variant in a block of its own read 25-60% slower). A
     counted load always follows a load of its own variant; the rounds spread every variant's over the run.
     No loads at all for no rounds."""
+    if rounds < 1:
+        return {}
     seconds: dict = {name: [] for name in loads}
-    for _ in range(max(0, rounds)):
+    for _ in range(rounds):
         for name, load in loads.items():
             extra_loads(c, load, 1)
             seconds[name] += extra_loads(c, load, 1)
-    return seconds if rounds > 0 else {}
+    return seconds
 
 
 def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram, earlier_loads: list | None = None):

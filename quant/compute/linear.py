@@ -119,10 +119,10 @@ def _build(x2d, w, bias, cfg: ComputeConfig, cdt, grad: bool, book):
                              "multiply-adds a call at most): the plain path")
         else:
             operands, first_rows = {}, set()
+            on_rows = not forced and prove.timed_on_rows(device, w)
             for name in names:
                 # a path may prove itself on an operand of the weight's first rows, those the proof times
-                part = (REGISTRY[name].rows_operand(w, cfg, device, cdt, prove.TIME_ROWS)
-                        if not forced and prove.timed_on_rows(device, w) else None)
+                part = REGISTRY[name].rows_operand(w, cfg, device, cdt, prove.TIME_ROWS) if on_rows else None
                 if part is not None:
                     first_rows.add(name)
                 operands[name] = part if part is not None else REGISTRY[name].operand(w, cfg, device, cdt)

@@ -94,11 +94,12 @@ def _wref(wop, sample: proof.Sample):
     return get
 
 
-def timed_on_rows(device, w) -> bool:
+def timed_on_rows(device, w, n: int | None = None) -> bool:
     """Whether candidates for ``w`` are judged and timed on its first rows (a CPU weight of more than twice
-    TIME_ROWS rows), so that an operand of its first TIME_ROWS rows is all a proof needs."""
+    TIME_ROWS rows; ``n``: the whole weight's, where ``w`` holds only its first rows), so that an operand of its
+    first TIME_ROWS rows is all a proof needs."""
     return (torch.device(device).type == "cpu" and not w.transposed and w.qdata.dim() == 2
-            and w.qdata.shape[0] > 2 * TIME_ROWS)
+            and (w.qdata.shape[0] if n is None else n) > 2 * TIME_ROWS)
 
 
 def _slices(device, w, bias, n: int | None = None) -> dict:
@@ -107,9 +108,7 @@ def _slices(device, w, bias, n: int | None = None) -> dict:
     first rows); empty to time the whole weight."""
     from ..tensor import QuantizedTensor
 
-    n = w.qdata.shape[0] if n is None else n
-    if (torch.device(device).type != "cpu" or w.transposed or w.qdata.dim() != 2 or n <= 2 * TIME_ROWS
-            or w.qdata.shape[0] < TIME_ROWS):
+    if not timed_on_rows(device, w, n) or w.qdata.shape[0] < TIME_ROWS:
         return {}
     out = {}
     for rows in (SMALL_ROWS, TIME_ROWS):

@@ -431,7 +431,7 @@ def test_an_error_past_the_proven_rows_is_caught_at_the_call(monkeypatch):
     its last output: the call's own check refuses it, on record, and the call returns the plain path's output."""
     rows = 2 * prove.TIME_ROWS + 512
     int8_wrong_for(monkeypatch, rows)
-    wq, w8 = _weights(n=rows, k=256)
+    _, w8 = _weights(n=rows, k=256)
     x = _x(m=40, k=256)
     y = linear(x, w8, None, AUTO)
     v = verdict("int8")
