@@ -9,6 +9,9 @@ SD3, TAESD3 and CLIP-L), every FP8 tensor deferred (these files are small: a rea
 
 - no background read runs while ComfyUI builds the model; they run after the node returns;
 - the model computes with the file's codes: its output equals that of a load that read everything at once.
+
+And the read moves the node's progress bar (ComfyUI's own `ProgressBar`, whose updates a server sends to the page)
+by at most `PROGRESS_UPDATES` steps, up to the file's tensor count, where it was once per tensor.
 """
 
 from __future__ import annotations
@@ -137,3 +140,24 @@ def test_the_checkpoint_loader_reads_after_the_build(env, watched, monkeypatch):
     eager_model, eager_clip, _ = nodes.LoadFP8Checkpoint.execute(CHECKPOINT, "weight-only", "auto", "auto").result
     assert torch.equal(tiny_sd3.apply(eager_model, seed=3), out)
     assert torch.equal(eager_clip.encode_from_tokens(eager_clip.tokenize("a red apple")), cond)
+
+
+def test_a_load_moves_the_progress_bar_in_at_most_a_hundred_steps(env, monkeypatch):
+    import comfy.utils
+
+    from fp8_engram.quant import formats
+
+    nodes, _ = env
+    updates = []
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK",
+                        lambda value, total, preview, node_id=None: updates.append((value, total)))
+    import folder_paths
+
+    tensors = len(formats.read_header(folder_paths.get_full_path_or_raise("checkpoints", CHECKPOINT)).tensors)
+    assert tensors > nodes.PROGRESS_UPDATES, f"the checkpoint has {tensors} tensors: too few to show the bound"
+    nodes.LoadFP8Checkpoint.execute(CHECKPOINT, "weight-only", "auto", "auto")
+    values = [v for v, _ in updates]
+    assert {t for _, t in updates} == {tensors}
+    assert values[-1] == tensors and values == sorted(set(values)), values
+    # every hundredth of the read is shown, and no more
+    assert nodes.PROGRESS_UPDATES <= len(values) <= nodes.PROGRESS_UPDATES + 1, len(values)
