@@ -409,6 +409,11 @@ def _rebuild_quantized_tensor(qdata, scale, input_scale, layout, orig_dtype, con
 
 
 def _check_scale(scale, what: str) -> torch.Tensor:
+    if (type(scale) is torch.Tensor and scale.dtype is torch.float32 and scale.is_cpu and not scale.requires_grad
+            and scale.numel() == 1):  # one float32 value (most files' scales, every plain cast's): a number's checks
+        v = scale.item()
+        if math.isfinite(v) and v > 0:
+            return scale
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = torch.tensor(float(scale), dtype=torch.float32)
     if not isinstance(scale, torch.Tensor) or isinstance(scale, QuantizedTensor):

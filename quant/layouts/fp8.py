@@ -268,7 +268,7 @@ class PerTensor(LayoutBase):
             raise QuantizationError(
                 f"per-tensor scale must hold exactly one value, got shape {list(scale.shape)}"
             )
-        return scale.reshape(())
+        return scale if scale.dim() == 0 else scale.reshape(())
 
     def quantize(self, w: torch.Tensor, fp8_dtype, generator):
         fmax = fp8_max(fp8_dtype)
