@@ -402,6 +402,19 @@ def default_allocator(device: torch.device) -> ShardAllocator:
     return cuda_ipc_allocator if torch.device(device).type == "cuda" else shared_memory_allocator
 
 
+def remove_segments(pid: int) -> list[str]:
+    """Unlink the shard files a process that has ended left in /dev/shm (a worker killed before its start unlinked
+    its own: a file no process maps holds its shard's memory until the machine restarts); the names removed."""
+    removed = []
+    for name in leftover_segments(pid):
+        try:
+            os.unlink(os.path.join(_SHM_DIR, name))
+        except FileNotFoundError:
+            continue
+        removed.append(name)
+    return removed
+
+
 def leftover_segments(pid: int | None = None) -> list[str]:
     """Shared-memory shard files still present (of one creator pid, or all); for tests and cleanup."""
     if not os.path.isdir(_SHM_DIR):

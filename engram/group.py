@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..common.proc import process_state
 from . import ue8m0
 from .errors import EngramWorkerError
-from .allocators import ShardSharingError, SharedMemoryFullError, check_shm_room
+from .allocators import ShardSharingError, SharedMemoryFullError, check_shm_room, remove_segments
 from .buffer import LocalEngramBuffer
 from .processes import (  # noqa: F401 - NotEnoughMemoryError, the CPU costs and the template's state are re-exported
     _POLL_S,
@@ -115,8 +115,20 @@ def _release_group(workers: list[_Worker], holder: list, templates: list | None 
         else:
             _wait_for_workers(workers)
     finally:
+        _remove_ended_workers_segments(workers)
         while templates:
             templates.pop().release()
+
+
+def _remove_ended_workers_segments(workers: list[_Worker]) -> None:
+    """A worker ended (killed, or ended by a failed start) before it unlinked its shard file: the host removes it."""
+    for worker in workers:
+        if worker.process.poll() is None:
+            continue  # still running: kept alive for a view of its shard, its file long unlinked
+        removed = remove_segments(worker.process.pid)
+        if removed:
+            logger.info("engram worker rank %d ended before unlinking its shard file; removed %s", worker.rank,
+                        ", ".join(removed))
 
 
 def _let_worker_go(worker: _Worker | None) -> None:

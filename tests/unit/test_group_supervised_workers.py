@@ -165,3 +165,39 @@ def test_workers_die_with_a_sigkilled_host(tmp_path):
         if host.poll() is None:
             host.kill()
     assert not leftover_segments(host.pid)
+
+
+def test_a_start_that_fails_on_the_host_leaves_no_worker_shard_file(monkeypatch):
+    """The host's own shard fails to allocate while its worker has made its /dev/shm file and waits for the host in
+    the name exchange: the worker is ended by the failed start before it could unlink the file, which would hold the
+    shard's memory until the machine restarts. The host removes it."""
+    from fp8_engram.engram import buffer as buffer_module
+    from fp8_engram.engram import group as group_module
+
+    started, made = [], []
+    fork = group_module.EngramGroup._fork_worker
+
+    def recorded(self, template, rank, config):
+        worker = fork(self, template, rank, config)
+        started.append(worker.process.pid)
+        return worker
+
+    def host_fails(group, num_bytes, device):
+        if group.rank() == 0:
+            deadline = time.monotonic() + 30  # the worker's file exists before the host fails
+            while not any(leftover_segments(pid) for pid in started) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            made.append(any(leftover_segments(pid) for pid in started))
+            raise OSError("the host's shard could not be allocated")
+        raise AssertionError("the worker process uses its own allocator")
+
+    monkeypatch.setattr(group_module.EngramGroup, "_fork_worker", recorded)
+    buffer_module.set_shard_allocator(host_fails)
+    try:
+        with pytest.raises(Exception, match="could not be allocated"):
+            EngramGroup([64], HIDDEN, num_ranks=2, device="cpu", timeout=30)
+    finally:
+        buffer_module.set_shard_allocator(None)
+    assert made == [True], "the worker made no shard file before the host failed"
+    assert len(started) == 1 and process_ended(started[0])
+    assert not leftover_segments(started[0]), "the failed start left the worker's shard file in /dev/shm"
