@@ -8,8 +8,10 @@ context pushed and popped again, and driver errors become CudaIpcError naming th
 real driver is used: allocate, export, open in another process, read back what was written.
 """
 
+import contextlib
 import ctypes
 import gc
+import glob
 import json
 import os
 import re
@@ -142,6 +144,17 @@ def build_driver(folder, *defines: str) -> str:
     build = subprocess.run([compiler, "-shared", "-fPIC", "-O1", *flags, "-o", str(library), str(source), "-lrt"], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     return str(library)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fake_memory_freed_at_exit():
+    """What a driver frees when a process exits, the stand-in's files in /dev/shm outlive: an allocation the engram
+    leaves to the process's exit (a peer still maps it) is removed once this module is done."""
+    before = set(glob.glob("/dev/shm/fakecuda-*"))
+    yield
+    for path in set(glob.glob("/dev/shm/fakecuda-*")) - before:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @pytest.fixture
