@@ -49,9 +49,9 @@ ENGRAM_FLOORS = (
 NODES_FLOORS = (
     ("extension", ("__init__",),
      "the extension that lists the nodes, the category and node id prefix"),
-    ("adapters", ("ops", "gpt_oss", "engram_live", "engram_clip", "engram_inputs", "engram_images"),
+    ("adapters", ("ops", "gpt_oss", "engram_live", "engram_clip", "engram_inputs", "engram_images", "progress"),
      "ComfyUI adapters below the nodes: FP8 operations, gpt-oss encoder sizes, the live memories, CLIP "
-     "families and tokenizers, inputs and folders, images"),
+     "families and tokenizers, inputs and folders, images, progress"),
     ("nodes", ("basic", "fp8", "engram"),
      "node classes: schema, execute, UI text"),
 )

@@ -18,7 +18,7 @@ web/fp8_engram.js:
             whether stock ComfyUI can read it]
 Loading goes through ComfyUI's own model construction with a fresh FP8 operations class per load
 (nodes/ops.py), so no full-precision copy of the model is made. Long loops report progress
-(comfy.utils.ProgressBar) and stop when the user cancels.
+(comfy.utils.ProgressBar, at most 100 updates: nodes/progress.py) and stop when the user cancels.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import os
 
 import comfy.model_management
 import comfy.sd
-import comfy.utils
 import folder_paths
 import torch
 from comfy_api.latest import io
@@ -47,6 +46,7 @@ from ..quant.quantize_model import keep_patterns as compile_keep_patterns
 from . import CATEGORY, NODE_ID_PREFIX
 from .gpt_oss import lens_options
 from .ops import count_widened_size, make_fp8_ops, release_workspace_on_unload
+from .progress import progress_fn
 
 logger = logging.getLogger(__name__)
 
@@ -174,37 +174,13 @@ def _compute_label(cfg: ComputeConfig, ops=None) -> str:
     return f"auto: weight-only on {device}{unused}"
 
 
-# At most this many progress updates per read, quantization or save (and always the last one): each update is two
-# websocket messages from the server to the page that queued the prompt, one of them the whole progress state of the
-# prompt; one update per tensor was two messages for each of a file's hundreds or thousands of tensors.
-PROGRESS_UPDATES = 100
-
-
-def _progress_fn():
-    """``progress(done, total)`` for the pack's readers and writers: checks for an interrupt at every tensor and moves
-    the node's bar by at most ``PROGRESS_UPDATES`` steps."""
-    state = {"bar": None, "shown": -1}
-
-    def progress(done, total):
-        comfy.model_management.throw_exception_if_processing_interrupted()
-        step = done * PROGRESS_UPDATES // max(total, 1)
-        if step == state["shown"] and done < total:
-            return
-        state["shown"] = step
-        if state["bar"] is None:
-            state["bar"] = comfy.utils.ProgressBar(total)
-        state["bar"].update_absolute(done, total)
-
-    return progress
-
-
 def _read(folder: str, name: str, cfg: ComputeConfig):
     path = folder_paths.get_full_path_or_raise(folder, name)
     try:
         # the FP8 codes are read in the background while ComfyUI builds the model (a small file's once it has: the
         # loaders hold them) and the prompt is encoded; each weight waits for its own at its first use, reading it
         # itself where the thread has not (a read that failed is raised there, naming the file)
-        sd, report = formats.load_file(path, config=cfg, progress=_progress_fn(), defer=True)
+        sd, report = formats.load_file(path, config=cfg, progress=progress_fn(), defer=True)
     except formats.FormatError as exc:
         raise ValueError(f"{folder}/{name}: {exc}") from exc
     # Layers the file marks "full precision matmul" run weight-only unless the user forces fp8.
@@ -495,7 +471,7 @@ class QuantizeModelToFP8(io.ComfyNode):
         keep = compile_keep_patterns([p.strip() for p in keep_patterns.replace("\n", ",").split(",") if p.strip()], what)
         diffusion = model.get_model_object("diffusion_model")
         new, report = quantize_module(diffusion, granularity=granularity, fp8_dtype=fp8_dtype, keep=keep,
-                                      progress=_progress_fn(), weight_of=_own_weights(model))
+                                      progress=progress_fn(), weight_of=_own_weights(model))
         out = model.clone()
         release_workspace_on_unload(out)
         for key, qt in new.items():
@@ -577,7 +553,7 @@ class SaveFP8Model(io.ComfyNode):
         unknown = torch.bfloat16 if comfy.model_management.get_torch_device().type == "cpu" else None
         dtypes, dtype_note = save.plain_dtypes(sd, SAVE_DTYPES[weight_dtype], source, unknown)
         try:
-            result = save.save_state_dict(sd, path, progress=_progress_fn(), dtypes=dtypes)
+            result = save.save_state_dict(sd, path, progress=progress_fn(), dtypes=dtypes)
         except OSError as exc:  # say which node failed (SaveError names the file and what was kept)
             detail = exc.strerror if isinstance(exc, save.SaveError) and exc.strerror else f"{path}: {exc}"
             raise save.SaveError(exc.errno or errno.EIO, f"Save FP8 Model: {detail}") from exc

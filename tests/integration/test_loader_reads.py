@@ -145,6 +145,7 @@ def test_the_checkpoint_loader_reads_after_the_build(env, watched, monkeypatch):
 def test_a_load_moves_the_progress_bar_in_at_most_a_hundred_steps(env, monkeypatch):
     import comfy.utils
 
+    from fp8_engram.nodes.progress import PROGRESS_UPDATES
     from fp8_engram.quant import formats
 
     nodes, _ = env
@@ -154,10 +155,10 @@ def test_a_load_moves_the_progress_bar_in_at_most_a_hundred_steps(env, monkeypat
     import folder_paths
 
     tensors = len(formats.read_header(folder_paths.get_full_path_or_raise("checkpoints", CHECKPOINT)).tensors)
-    assert tensors > nodes.PROGRESS_UPDATES, f"the checkpoint has {tensors} tensors: too few to show the bound"
+    assert tensors > PROGRESS_UPDATES, f"the checkpoint has {tensors} tensors: too few to show the bound"
     nodes.LoadFP8Checkpoint.execute(CHECKPOINT, "weight-only", "auto", "auto")
     values = [v for v, _ in updates]
     assert {t for _, t in updates} == {tensors}
     assert values[-1] == tensors and values == sorted(set(values)), values
     # every hundredth of the read is shown, and no more
-    assert nodes.PROGRESS_UPDATES <= len(values) <= nodes.PROGRESS_UPDATES + 1, len(values)
+    assert PROGRESS_UPDATES <= len(values) <= PROGRESS_UPDATES + 1, len(values)
