@@ -4,7 +4,8 @@
   the group, and every rank maps all files back to back into ONE reserved virtual address range, so a
   fetch can gather every requested row with a single `index_select` over all shards (`unified`). Each
   creator unlinks its file as soon as every rank has mapped it: from then on nothing is left behind,
-  whichever process dies. Every file's pages are reserved (`posix_fallocate`) before any is mapped, and
+  whichever process dies (a worker that ended before, the host unlinks for it: `remove_segments`; a file older
+  than any start, the next CPU group's start removes: `remove_stale_segments`). Every file's pages are reserved (`posix_fallocate`) before any is mapped, and
   the ranks agree on it: a /dev/shm without room is a SharedMemoryFullError with the figures on every
   rank, never a SIGBUS at a later write. One-rank groups use plain memory.
 * CUDA (default, `cuda_ipc_allocator`): each rank allocates its shard from the CUDA driver and hands
@@ -31,6 +32,7 @@ import logging
 import mmap
 import os
 import pickle
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -400,6 +402,30 @@ def _ipc_shards(group: dist.ProcessGroup, num_bytes: int, device: torch.device,
 
 def default_allocator(device: torch.device) -> ShardAllocator:
     return cuda_ipc_allocator if torch.device(device).type == "cuda" else shared_memory_allocator
+
+
+# Every engram file in /dev/shm is unlinked by its owner as soon as every rank has mapped it (a host-memory table's at
+# once): one older than any start could last was left by a process killed in between (or by a version of this pack
+# whose host did not remove its ended workers' files), and its reserved pages stay taken until the machine restarts.
+STALE_SEGMENT_S = 3600.0
+
+
+def remove_stale_segments(older_than_s: float = STALE_SEGMENT_S) -> list[tuple[str, int]]:
+    """Unlink the engram files in /dev/shm last modified more than ``older_than_s`` ago (another user's are left
+    alone); ``(name, bytes)`` of each removed."""
+    now = time.time()
+    removed = []
+    for name in leftover_segments():
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            st = os.stat(path)
+            if now - st.st_mtime <= older_than_s:
+                continue
+            os.unlink(path)
+        except (FileNotFoundError, PermissionError):
+            continue
+        removed.append((name, st.st_size))
+    return removed
 
 
 def remove_segments(pid: int) -> list[str]:

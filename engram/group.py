@@ -46,9 +46,11 @@ import torch
 import torch.distributed as dist
 
 from ..common.proc import process_state
+from ..common.sizes import size_text
 from . import ue8m0
 from .errors import EngramWorkerError
-from .allocators import ShardSharingError, SharedMemoryFullError, check_shm_room, remove_segments
+from .allocators import (ShardSharingError, SharedMemoryFullError, check_shm_room, remove_segments,
+                         remove_stale_segments)
 from .buffer import LocalEngramBuffer
 from .processes import (  # noqa: F401 - NotEnoughMemoryError, the CPU costs and the template's state are re-exported
     _POLL_S,
@@ -118,6 +120,13 @@ def _release_group(workers: list[_Worker], holder: list, templates: list | None 
         _remove_ended_workers_segments(workers)
         while templates:
             templates.pop().release()
+
+
+def _remove_stale_segments() -> None:
+    removed = remove_stale_segments()
+    if removed:
+        logger.warning("removed %d engram shared-memory file(s) that ended processes left in /dev/shm (%s in all): %s",
+                       len(removed), size_text(sum(size for _, size in removed), mib_digits=1), ", ".join(n for n, _ in removed))
 
 
 def _remove_ended_workers_segments(workers: list[_Worker]) -> None:
@@ -215,6 +224,8 @@ class EngramGroup:
         # where the rows live and why (a placement.Placement), set by placement.make_store; None when made directly
         self.placement = None
         if device == "cpu":
+            if num_ranks > 1:  # files an ended process left in /dev/shm take memory both checks count as used
+                _remove_stale_segments()
             check_cpu_memory(num_ranks, self.table_bytes(self.rows_per_layer, hidden, table_dtype))
             if num_ranks > 1:  # the shards are /dev/shm files: refused before any worker starts when it has no room
                 check_shm_room(f"{num_ranks} CPU ranks' engram shards", self.table_bytes(self.rows_per_layer, hidden, table_dtype))

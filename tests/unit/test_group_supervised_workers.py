@@ -201,3 +201,31 @@ def test_a_start_that_fails_on_the_host_leaves_no_worker_shard_file(monkeypatch)
     assert made == [True], "the worker made no shard file before the host failed"
     assert len(started) == 1 and process_ended(started[0])
     assert not leftover_segments(started[0]), "the failed start left the worker's shard file in /dev/shm"
+
+
+def test_a_cpu_group_start_removes_engram_files_left_in_dev_shm_long_ago(caplog):
+    """Files of ended processes (pids beyond any pid_max): one last written two hours ago, older than any start could
+    last, is removed by the next CPU group's start, with a warning saying how much it held; one written now (a start
+    of another process may still be exchanging it) stays."""
+    from fp8_engram.engram.allocators import STALE_SEGMENT_S
+
+    names = {"stale": "fp8engram-4999999-0123456789ab-r1", "recent": "fp8engram-4999998-0123456789ab-r1"}
+    paths = {k: os.path.join("/dev/shm", n) for k, n in names.items()}
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("needs POSIX shared memory in /dev/shm (CPU engram groups need it)")
+    for path in paths.values():
+        with open(path, "wb") as f:
+            f.truncate(3 << 20)  # the size a shard's file has (tmpfs gives it no pages until they are written)
+    old = time.time() - 2 * STALE_SEGMENT_S
+    os.utime(paths["stale"], (old, old))
+    try:
+        with caplog.at_level("WARNING", logger="fp8_engram.engram.group"):
+            EngramGroup([64], HIDDEN, num_ranks=2, device="cpu").close()
+        assert not os.path.exists(paths["stale"]), "a file left two hours ago is still in /dev/shm"
+        assert os.path.exists(paths["recent"]), "a file written now was removed"
+        assert any(names["stale"] in r.getMessage() and "3.0 MiB" in r.getMessage() for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
+    finally:
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
