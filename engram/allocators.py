@@ -4,10 +4,11 @@
   the group, and every rank maps all files back to back into ONE reserved virtual address range, so a
   fetch can gather every requested row with a single `index_select` over all shards (`unified`). Each
   creator unlinks its file as soon as every rank has mapped it: from then on nothing is left behind,
-  whichever process dies (a worker that ended before, the host unlinks for it: `remove_segments`; a file older
-  than any start, the next CPU group's start removes: `remove_stale_segments`). Every file's pages are reserved (`posix_fallocate`) before any is mapped, and
-  the ranks agree on it: a /dev/shm without room is a SharedMemoryFullError with the figures on every
-  rank, never a SIGBUS at a later write. One-rank groups use plain memory.
+  whichever process dies (a worker that ended before, the host unlinks for it: `remove_segments`; a file
+  older than any start, the next CPU group's start removes: `remove_stale_segments`). Every file's pages
+  are reserved (`posix_fallocate`) before any is mapped, and the ranks agree on it: a /dev/shm without
+  room is a SharedMemoryFullError with the figures on every rank, never a SIGBUS at a later write.
+  One-rank groups use plain memory.
 * CUDA (default, `cuda_ipc_allocator`): each rank allocates its shard from the CUDA driver and hands
   every peer a CUDA IPC handle of it through one all-gather of the group (any backend; EngramGroup uses
   a private gloo group, so ranks may share one GPU). Why not torch's symmetric memory, which the engine

@@ -126,7 +126,8 @@ def _remove_stale_segments() -> None:
     removed = remove_stale_segments()
     if removed:
         logger.warning("removed %d engram shared-memory file(s) that ended processes left in /dev/shm (%s in all): %s",
-                       len(removed), size_text(sum(size for _, size in removed), mib_digits=1), ", ".join(n for n, _ in removed))
+                       len(removed), size_text(sum(size for _, size in removed), mib_digits=1),
+                       ", ".join(name for name, _ in removed))
 
 
 def _remove_ended_workers_segments(workers: list[_Worker]) -> None:
