@@ -5,7 +5,7 @@
   fetch can gather every requested row with a single `index_select` over all shards (`unified`). Each
   creator unlinks its file as soon as every rank has mapped it: from then on nothing is left behind,
   whichever process dies (a worker that ended before, the host unlinks for it: `remove_segments`; a file
-  older than any start, the next CPU group's start removes: `remove_stale_segments`). Every file's pages
+  older than any start, the next CPU group's start removes: `STALE_SEGMENT_S`). Every file's pages
   are reserved (`posix_fallocate`) before any is mapped, and the ranks agree on it: a /dev/shm without
   room is a SharedMemoryFullError with the figures on every rank, never a SIGBUS at a later write.
   One-rank groups use plain memory.
@@ -411,34 +411,22 @@ def default_allocator(device: torch.device) -> ShardAllocator:
 STALE_SEGMENT_S = 3600.0
 
 
-def remove_stale_segments(older_than_s: float = STALE_SEGMENT_S) -> list[tuple[str, int]]:
-    """Unlink the engram files in /dev/shm last modified more than ``older_than_s`` ago (another user's are left
-    alone); ``(name, bytes)`` of each removed."""
+def remove_segments(pid: int | None = None, older_than_s: float | None = None) -> list[tuple[str, int]]:
+    """Unlink engram files in /dev/shm: those of ``pid``, a process that has ended (a worker killed before its start
+    unlinked its own), or with ``older_than_s`` every one last modified longer ago than that; another user's are left
+    alone. A file no process maps holds its reserved pages until the machine restarts. ``(name, bytes)`` of each."""
     now = time.time()
     removed = []
-    for name in leftover_segments():
+    for name in leftover_segments(pid):
         path = os.path.join(_SHM_DIR, name)
         try:
             st = os.stat(path)
-            if now - st.st_mtime <= older_than_s:
+            if older_than_s is not None and now - st.st_mtime <= older_than_s:
                 continue
             os.unlink(path)
         except (FileNotFoundError, PermissionError):
             continue
         removed.append((name, st.st_size))
-    return removed
-
-
-def remove_segments(pid: int) -> list[str]:
-    """Unlink the shard files a process that has ended left in /dev/shm (a worker killed before its start unlinked
-    its own: a file no process maps holds its shard's memory until the machine restarts); the names removed."""
-    removed = []
-    for name in leftover_segments(pid):
-        try:
-            os.unlink(os.path.join(_SHM_DIR, name))
-        except FileNotFoundError:
-            continue
-        removed.append(name)
     return removed
 
 

@@ -49,8 +49,7 @@ from ..common.proc import process_state
 from ..common.sizes import size_text
 from . import ue8m0
 from .errors import EngramWorkerError
-from .allocators import (ShardSharingError, SharedMemoryFullError, check_shm_room, remove_segments,
-                         remove_stale_segments)
+from .allocators import STALE_SEGMENT_S, ShardSharingError, SharedMemoryFullError, check_shm_room, remove_segments
 from .buffer import LocalEngramBuffer
 from .processes import (  # noqa: F401 - NotEnoughMemoryError, the CPU costs and the template's state are re-exported
     _POLL_S,
@@ -123,7 +122,7 @@ def _release_group(workers: list[_Worker], holder: list, templates: list | None 
 
 
 def _remove_stale_segments() -> None:
-    removed = remove_stale_segments()
+    removed = remove_segments(older_than_s=STALE_SEGMENT_S)
     if removed:
         logger.warning("removed %d engram shared-memory file(s) that ended processes left in /dev/shm (%s in all): %s",
                        len(removed), size_text(sum(size for _, size in removed), mib_digits=1),
@@ -138,7 +137,7 @@ def _remove_ended_workers_segments(workers: list[_Worker]) -> None:
         removed = remove_segments(worker.process.pid)
         if removed:
             logger.info("engram worker rank %d ended before unlinking its shard file; removed %s", worker.rank,
-                        ", ".join(removed))
+                        ", ".join(name for name, _ in removed))
 
 
 def _let_worker_go(worker: _Worker | None) -> None:

@@ -409,11 +409,6 @@ def _rebuild_quantized_tensor(qdata, scale, input_scale, layout, orig_dtype, con
 
 
 def _check_scale(scale, what: str) -> torch.Tensor:
-    if (type(scale) is torch.Tensor and scale.dtype is torch.float32 and scale.is_cpu and not scale.requires_grad
-            and scale.numel() == 1):  # one float32 value (most files' scales, every plain cast's): a number's checks
-        v = scale.item()
-        if math.isfinite(v) and v > 0:
-            return scale
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = torch.tensor(float(scale), dtype=torch.float32)
     if not isinstance(scale, torch.Tensor) or isinstance(scale, QuantizedTensor):
@@ -423,11 +418,12 @@ def _check_scale(scale, what: str) -> torch.Tensor:
         raise QuantizationError(
             f"{what} must be float32 (or another float dtype of 16+ bits), got {scale.dtype}"
         )
-    scale = scale.detach().to(torch.float32)
+    if scale.dtype != torch.float32 or scale.requires_grad:  # (a float32 one needing no gradient is taken as it is)
+        scale = scale.detach().to(torch.float32)
     if scale.numel() == 0:
         raise QuantizationError(f"{what} is empty")
     if scale.numel() == 1 and scale.device.type == "cpu":  # one value (most files): checked as a number
-        v = float(scale.reshape(()))
+        v = scale.item()
         if math.isfinite(v) and v > 0:
             return scale
     finite = torch.isfinite(scale)
