@@ -21,10 +21,10 @@ and loaded by `comfy.sd.load_diffusion_model` (what UNETLoader runs) and by the 
   scaled_fp8 model in the FP8 dtype, so it rounds the file's bf16 biases to FP8; there the pack (which
   keeps them) must give stock's output once its biases are rounded the same way (the SQNR of both
   against the bf16 model is printed).
-Each case also loads the file under "auto" and prints (`-s`) the three loaders' load times (medians of fifteen
-interleaved rounds, each load timed once the pack's previous one has read its FP8 codes) and auto's SQNR against the
-bf16 model: printed, never asserted; auto's output must only be finite here (its tiny layers take the plain path
-by rule, too small to prove).
+Each case also loads the file under "auto" and prints (`-s`) the three loaders' load times (medians of eighteen
+interleaved rounds in all six orders, each load timed once the pack's previous one has read its FP8 codes) and auto's
+SQNR against the bf16 model: printed, never asserted; auto's output must only be finite here (its tiny layers take the
+plain path by rule, too small to prove).
 A tree without an architecture skips it and names what is missing.
 
 CI time budget: the whole set (39 cases) under 3 minutes on a 2-core machine. Measured on the shared
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import statistics
 import time
 
@@ -53,7 +54,9 @@ FORMATS = ("plain", "scaled", "converted")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # float32 rounding: the two loaders may sum in another order; FP8's own error is ~1e-2
 REL_TOL = 1e-6
-LOAD_ROUNDS = 15  # each loader, interleaved; the printed load times are their medians (of nine, auto / weight-only, the same work, spread 0.82-1.26 over the 39 cases)
+# each loader three times in each of the six orders; the printed load times are medians (with nine rounds in one fixed
+# order, auto / weight-only, the same work, spread 0.82-1.26 over the 39 cases; with fifteen 0.81-1.10)
+LOAD_ROUNDS = 18
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +217,13 @@ def test_pack_loads_architecture_like_stock(comfy_env, arch, fmt):
             gc.collect()
             gc.disable()
             try:
-                for _ in range(LOAD_ROUNDS):  # interleaved rounds, the median of each: loads of a few ms are noisy
-                    for k, load in loaders.items():
+                # each round takes the loaders in the next of their orders, so within the rounds each loader comes
+                # right after each other one as often (a load's time depends on what the load before it left: its
+                # pages, its freed memory; in one fixed order auto always came after weight-only)
+                orders = list(itertools.permutations(loaders))
+                for r in range(LOAD_ROUNDS):  # interleaved rounds, the median of each: loads of a few ms are noisy
+                    for k in orders[r % len(orders)]:
+                        load = loaders[k]
                         models.pop(k, None)  # the round before's model is freed before the clock starts, not in it
                         # and the pack's last load has read its FP8 codes (its background reads would run into
                         # whichever load came next)
