@@ -151,13 +151,18 @@ def _round(v: torch.Tensor, generator) -> torch.Tensor:
 _CHUNK_ELEMS = 1 << 16  # float32 elements per chunk of the CPU dequantization (256 KiB)
 # float32 elements per chunk of a per-row quantization on the CPU. On one torch thread a chunk is 1 MiB, so
 # its two float32 temporaries (the rows, then the rotated rows) stay in the core's L2 cache while it is
-# decoded, rotated, reduced and rounded. On more threads every operation of a chunk is a parallel region,
-# whose start costs microseconds on an idle CPU but milliseconds where the cores are shared (measured on a
-# busy 2-core machine: ~4.5 ms an operation, a 1536x1536 conversion 6x slower in 1 MiB-per-thread chunks
-# than whole), so chunks are 32 MiB: a weight of up to 8 Mi elements is one chunk, Flux's largest (37.7 Mi)
-# five. Either way the memory a conversion adds to its int8 result is bounded by quantize_temp_bytes().
+# decoded, rotated, reduced and rounded. On more threads a chunk is 4 MiB: its two temporaries (8 MiB) stay in
+# the shared L3 cache. Every operation of a chunk is then a parallel region, whose start costs microseconds on
+# an idle CPU but milliseconds where the cores are shared. Measured on a quiet 2-core AMD EPYC Zen 5 (32 MiB L3),
+# what a first step converts in bench/load.py (2.03 G parameters, FP8 codes fresh from the file, in place),
+# median of 4 interleaved runs: 4.58 s in 4 MiB chunks, 5.57 s in 8 MiB, 5.47 s in 32 MiB (what this was; the
+# temporaries then leave the cache between the operations); the first step 6.93 s against 8.07. Beside four
+# busy processes a weight of a few Mi elements can take several times longer than in one chunk (1536x1536,
+# median of 5: 51 against 9 ns a parameter; 6144x1536: 25 both), as each parallel region waits for a thread
+# the scheduler set aside. Either way the memory a conversion adds to its int8 result is bounded by
+# quantize_temp_bytes().
 QUANTIZE_CHUNK_ELEMS = 1 << 18
-QUANTIZE_PARALLEL_CHUNK_ELEMS = 1 << 23
+QUANTIZE_PARALLEL_CHUNK_ELEMS = 1 << 20
 
 
 def quantize_chunk_elems() -> int:

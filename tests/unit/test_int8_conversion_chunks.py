@@ -114,7 +114,7 @@ class _Allocations(TorchDispatchMode):
 @pytest.mark.parametrize("layout", [PerTensor(), PerRow()], ids=str)
 def test_a_conversion_allocates_float32_by_the_chunk_not_by_the_weight(layout, threads, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # 1: a 1 MiB chunk, whatever this machine has
-    monkeypatch.setattr(lint8, "QUANTIZE_PARALLEL_CHUNK_ELEMS", 1 << 19)  # 2 (32 MiB by default): 2 MiB here
+    monkeypatch.setattr(lint8, "QUANTIZE_PARALLEL_CHUNK_ELEMS", 1 << 19)  # 2 (4 MiB by default): 2 MiB here
     fp8 = fp8_weight(512, 2048, layout)  # 4 MiB as float32: four times a chunk
     from fp8_engram.quant import runtime
 
