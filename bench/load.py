@@ -29,6 +29,9 @@ pack (auto: the codes read in the background, layers that run int8 converted in 
 0.19-0.28 s, first step 6.24-6.37 s vs 6.52-6.54 s (ratio 0.96-0.97), second step 0.43 s vs 6.32-6.35 s
 (0.07), peak RSS above baseline 1.146 x file (stock 1.12-1.13); pack_weight_only first step 3.0 s, 1.10 x;
 pack_both_forms (what auto did before) first step 15.9-16.6 s at 2.12-2.15 x the file.
+On a 2-core AMD EPYC Zen 5 VM (AVX-512 VNNI, no AMX), conversions in 4 MiB chunks, best of 2-3 per loader, three
+runs within 20 minutes, machine quiet: first step 0.85, 0.91 and 1.19 of stock's (pack 6.7-9.7 s, of it the
+conversion 4.4, 4.9 and 6.6 s: the same code, the host's memory moving), peak RSS 1.11 x the file (stock 1.10-1.12).
 The shared CPU makes wall times swing 2-5x when other jobs run: compare the CPU-time ratio too.
 
 `1st minflt` counts the minor page faults of the load and first step: each is a page of fresh memory (or a
