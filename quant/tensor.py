@@ -418,8 +418,8 @@ def _check_scale(scale, what: str) -> torch.Tensor:
         raise QuantizationError(
             f"{what} must be float32 (or another float dtype of 16+ bits), got {scale.dtype}"
         )
-    if scale.dtype != torch.float32 or scale.requires_grad:  # (a float32 one needing no gradient is taken as it is)
-        scale = scale.detach().to(torch.float32)
+    if type(scale) is not torch.Tensor or scale.dtype != torch.float32 or scale.requires_grad:
+        scale = scale.detach().to(torch.float32)  # (a plain float32 tensor needing no gradient is taken as it is)
     if scale.numel() == 0:
         raise QuantizationError(f"{what} is empty")
     if scale.numel() == 1 and scale.device.type == "cpu":  # one value (most files): checked as a number

@@ -155,8 +155,8 @@ _CHUNK_ELEMS = 1 << 16  # float32 elements per chunk of the CPU dequantization (
 # the shared L3 cache. Every operation of a chunk is then a parallel region, whose start costs microseconds on
 # an idle CPU but milliseconds where the cores are shared. Measured on a quiet 2-core AMD EPYC Zen 5 (32 MiB L3),
 # what a first step converts in bench/load.py (2.03 G parameters, FP8 codes fresh from the file, in place),
-# median of 4 interleaved runs: 4.58 s in 4 MiB chunks, 5.57 s in 8 MiB, 5.47 s in 32 MiB (what this was; the
-# temporaries then leave the cache between the operations); the first step 6.93 s against 8.07. Beside four
+# median of 4 interleaved runs: 4.58 s in 4 MiB chunks, 5.57 s in 8 MiB, 5.47 s in 32 MiB (whose temporaries
+# leave the cache between the operations); the first step 6.93 s against 8.07. Beside four
 # busy processes a weight of a few Mi elements can take several times longer than in one chunk (1536x1536,
 # median of 5: 51 against 9 ns a parameter; 6144x1536: 25 both), as each parallel region waits for a thread
 # the scheduler set aside. Either way the memory a conversion adds to its int8 result is bounded by

@@ -61,6 +61,14 @@ def test_musubi_block_scale_shape_is_accepted():
     assert qt.scale.shape == (8, 1) and qt.scale.dtype == torch.float32
 
 
+def test_a_module_parameter_as_scale_is_held_as_a_plain_tensor():
+    """ComfyUI's scaled layers keep their scale as an nn.Parameter: the weight holds a plain tensor of it (same
+    storage), not the Parameter itself, as for any other scale."""
+    p = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)
+    qt = QuantizedTensor.from_parts(Q, p, PerTensor())
+    assert type(qt.scale) is torch.Tensor and qt.scale.data_ptr() == p.data_ptr()
+
+
 def test_input_scale_is_checked():
     with pytest.raises(QuantizationError, match="input_scale holds zero"):
         QuantizedTensor.from_parts(Q, torch.tensor(1.0), PerTensor(), input_scale=torch.tensor(0.0))
