@@ -78,7 +78,11 @@ Per size, the JSON's "sizes" list holds the rows and the ratios the CPU question
 pack_weight_only's and pack_weight_only_copies' later step over stock_bf16's, pack_auto's load over pack_weight_only's and over
 stock_fp8_mixed's, pack_auto's first step over pack_weight_only's, and pack_auto's latent SQNR minus
 pack_weight_only's (dB), and the same later-step, first-step and SQNR figures for pack_memory_first. "variants" and
-"ratios" stay the first size's.
+"ratios" stay the first size's. Each size's "paired" entry (--paired-rounds, default 1, --tiny 3; 0 for none)
+holds the later steps of stock_bf16, pack_weight_only and pack_auto taken again with the three models loaded at
+once and sampled in turns, and the median over rounds of each round's ratio to stock_bf16: the variants' own runs
+lie minutes apart, and on a shared or virtual machine the speed drifts by more than the differences measured
+(paired_steps).
 
     python bench/e2e.py [--tiny] [--double 5] [--single 10] [--steps 8] [--image 1024] [--skip-engram] [--keep-dir DIR]
                         [--cpu-isa avx2]
@@ -559,6 +563,52 @@ def run_variant(c: Comfy, name: str, load, shape: Shape, positive, vram: Vram, e
     return row, model, samples
 
 
+# the variants the paired later steps compare (stock_bf16 the baseline of each round)
+PAIRED = ("stock_bf16", "pack_weight_only", "pack_auto")
+
+
+def paired_steps(c: Comfy, loads: dict, shape: Shape, positive, rounds: int) -> dict | None:
+    """Later steps of stock_bf16, pack_weight_only and pack_auto taken in turns, all three models held at once.
+
+    A variant's own run (``run_variant``) times its steps minutes after the baseline's; this VM's speed drifts
+    by more than the margins issue 35 asks about (the same weight-only code read 0.88 and 1.16 of stock bf16's
+    step at 1040 tokens under the AVX2 caps, in two runs). Here every round samples each model once, in an
+    order rotated each round so that none always follows the same one, and each round's ratio is taken
+    within the round: the figure is the median over rounds of (variant's later step / stock_bf16's in the
+    same round), each step the median of that sample's later steps. The loads are not timed (the variants'
+    verdicts for this size exist by now), and a round of two-step samples, not counted, comes first. None
+    without stock_bf16 or rounds."""
+    names = [n for n in PAIRED if n in loads]
+    if rounds < 1 or "stock_bf16" not in names or len(names) < 2:
+        return None
+    from fp8_engram.quant import safetensors_file
+
+    settle(c)
+    models = {n: loads[n]() for n in names}
+    safetensors_file.background_reads_done()  # the pack loads' reads of their FP8 codes end before any step
+    gc.collect()
+    for n in names:  # one uncounted sample each: the first sample after the loads ran 5-20x slower (tiny SD3, CPU)
+        sample(c, models[n], shape, positive, StepClock(c), steps=2)
+    steps: dict = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            clock = StepClock(c)
+            sample(c, models[n], shape, positive, clock)
+            c.sync()
+            later = clock.later_steps_s()
+            steps[n].append(statistics.median(later) if later else None)
+    del models
+    c.free()
+
+    def ratio(n):
+        pairs = [a / b for a, b in zip(steps[n], steps["stock_bf16"]) if a and b]
+        return statistics.median(pairs) if pairs else None
+
+    return {"rounds": rounds, "step_s": steps,
+            "ratios": {f"{n}_later_step_over_stock_bf16": ratio(n) for n in names if n != "stock_bf16"}}
+
+
 def loaders(c: Comfy, files: dict) -> dict:
     def stock(file, weight_dtype):
         return lambda: c.run(c.nodes.UNETLoader, unet_name=file, weight_dtype=weight_dtype)[0]
@@ -823,6 +873,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-engram", action="store_true")
     p.add_argument("--load-repeats", type=int, help="loads per variant and size, their median the load figure "
                    "(default 1; --tiny 5)")
+    p.add_argument("--paired-rounds", type=int, help="rounds of the paired later steps per size (stock_bf16, "
+                   "pack_weight_only and pack_auto held at once, sampled in turns; 0: none; default 1, --tiny 3: "
+                   "a GPU's steps are timed by CUDA events on a device of its own, a CPU's by a shared clock)")
     p.add_argument("--arch", choices=("flux", "sd3"), help="diffusion model (default: flux; --tiny: sd3)")
     p.add_argument("--keep-dir", help="make the files here and keep them (default: a temp dir, deleted)")
     p.add_argument("--cpu-isa", choices=("avx2",), help="emulate an AVX2 CPU on a newer one: the run starts again with "
@@ -833,6 +886,10 @@ def main(argv: list[str] | None = None) -> int:
         args.load_repeats = 5 if args.tiny else 1
     if args.load_repeats < 1:
         p.error("--load-repeats must be at least 1")
+    if args.paired_rounds is None:
+        args.paired_rounds = 3 if args.tiny else 1
+    if args.paired_rounds < 0:
+        p.error("--paired-rounds must be 0 or more")
     if args.cpu_isa and os.environ.get("FP8_ENGRAM_BENCH_ISA") != args.cpu_isa:
         env = dict(os.environ, FP8_ENGRAM_BENCH_ISA=args.cpu_isa, **CPU_ISA_CAPS[args.cpu_isa])
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:]), env)
@@ -949,10 +1006,10 @@ def size_ratios(rows: list) -> dict:
             "pack_memory_first_minus_pack_weight_only_sqnr_db": sqnr_minus_weight_only("pack_memory_first")}
 
 
-def size_entry(shape: Shape, rows: list, skipped_variants: list) -> dict:
-    """One size's part of the JSON: its geometry, its rows and size_ratios()."""
+def size_entry(shape: Shape, rows: list, skipped_variants: list, paired: dict | None = None) -> dict:
+    """One size's part of the JSON: its geometry, its rows, size_ratios() and paired_steps() (None when not run)."""
     return {"image": shape.image, "image_tokens": shape.image_tokens, "tokens": shape.image_tokens + shape.text_tokens,
-            "variants": rows, "variants_skipped": skipped_variants, "ratios": size_ratios(rows)}
+            "variants": rows, "variants_skipped": skipped_variants, "ratios": size_ratios(rows), "paired": paired}
 
 
 def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result: dict, models_dir: Path,
@@ -1009,13 +1066,16 @@ def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result
                 keep["pack_auto"] = model
             del model, got
         finish_rows(c, rows, latents)
+        paired[size_shape.image] = guarded(f"paired{tag}", paired_steps, c, chosen, size_shape, positive,
+                                           args.paired_rounds)
         return rows, latents
 
     kept: dict = {}
+    paired: dict = {}  # image size -> paired_steps()
     rows, latents = run_size(shape, tuple(loaders(c, files)), kept, "")
     base = latents.get("stock_bf16")
     result["variants"] = rows
-    result["sizes"] = [size_entry(shape, rows, [])]
+    result["sizes"] = [size_entry(shape, rows, [], paired.get(shape.image))]
     by = {r["variant"]: r for r in rows if "error" not in r}
 
     def vae_part():
@@ -1048,7 +1108,7 @@ def run_all(c: Comfy, args, shape: Shape, rows_per_head: int, vram: Vram, result
         size_rows, _ = run_size(size_shape, PER_SIZE_VARIANTS, {}, f"@{image}px")
         c.free()
         skipped_variants = [n for n in loaders(c, files) if n not in PER_SIZE_VARIANTS]
-        result["sizes"].append(size_entry(size_shape, size_rows, skipped_variants))
+        result["sizes"].append(size_entry(size_shape, size_rows, skipped_variants, paired.get(image)))
 
     def step(name):
         return (by.get(name) or {}).get("step_s")
@@ -1148,6 +1208,14 @@ def print_table(r: dict) -> None:
                   f"stock_bf16 {fmt(q.get('pack_memory_first_later_step_over_stock_bf16'), '.2f')}, first step / "
                   f"pack_weight_only {fmt(q.get('pack_memory_first_first_step_over_pack_weight_only'), '.2f')}, SQNR - "
                   f"pack_weight_only {fmt(q.get('pack_memory_first_minus_pack_weight_only_sqnr_db'), '+.1f')} dB")
+    for size in sizes:
+        p = size.get("paired")
+        if p:
+            q = p["ratios"]
+            print(f"{size['image']} px ({size['tokens']} tokens), paired later steps ({p['rounds']} rounds, the "
+                  f"models in turns, each round's ratio): pack_weight_only / stock_bf16 "
+                  f"{fmt(q.get('pack_weight_only_later_step_over_stock_bf16'), '.2f')}, pack_auto / stock_bf16 "
+                  f"{fmt(q.get('pack_auto_later_step_over_stock_bf16'), '.2f')}")
     if r.get("vae"):
         print(f"VAE decode {r['vae']['decode_s']:.2f} s; image SQNR pack_auto vs bf16 {r['vae']['image_sqnr_pack_auto_vs_bf16_db']:.1f} dB")
     if r.get("offload"):

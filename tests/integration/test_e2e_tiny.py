@@ -72,6 +72,15 @@ def test_tiny_run_measures_every_variant_through_comfyui(tiny_run):
     assert size["image"] == 32 and size["tokens"] == 20 and size["variants"] == result["variants"]
     assert size["ratios"]["pack_auto_later_step_over_stock_bf16"] > 0
     assert size["ratios"]["pack_auto_first_step_over_pack_weight_only"] > 0
+    # The paired later steps: each of the three models sampled once a round (3 rounds by default), each round's
+    # ratio to stock_bf16 taken within the round.
+    paired = size["paired"]
+    assert paired["rounds"] == 3 and set(paired["step_s"]) == {"stock_bf16", "pack_weight_only", "pack_auto"}
+    assert all(len(v) == 3 and all(t > 0 for t in v) for v in paired["step_s"].values()), paired
+    for name in ("pack_weight_only", "pack_auto"):
+        within = [a / b for a, b in zip(paired["step_s"][name], paired["step_s"]["stock_bf16"])]
+        assert min(within) <= paired["ratios"][f"{name}_later_step_over_stock_bf16"] <= max(within), paired
+    assert "paired later steps (3 rounds" in table
     assert "pack_auto" in table and "stock_bf16" in table  # the readable table precedes the JSON line
 
 
