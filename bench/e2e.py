@@ -25,8 +25,9 @@ Variants, one after another in one process (ComfyUI's free-memory step between t
   pack_memory_first Load FP8 Diffusion Model, the FP8 file, compute path "auto (memory first)" (a layer that runs int8
                     drops its FP8 form whatever ran before; on the CPU converted in the FP8 form's own storage)
   pack_weight_only_copies  (CPU only) the same with dequantized_copies_gb 16: each layer dequantized once and kept
-Per variant: the load's seconds (the loader node's call; the median of --load-repeats loads, default 1, --tiny 5:
-a tiny model loads in about as long as its noise; each after the pack's background reads of the one before
+Per variant: the load's seconds (the loader node's call; the median of --load-repeats loads, default 1, --tiny 11:
+a tiny model loads in about as long as its noise (tiny Flux, 20 rounds: pack loads 27-59 ms, so a median of five
+put auto at 1.28x weight-only's where twenty gave 1.05); each after the pack's background reads of the one before
 ended; with more than one, all but the sampled one in rounds in which the variants take turns, each counted load
 right after an uncounted one of its own variant), time to the first step (from the sampled load's call
 to the end of the first model call), seconds per later step (median), peak VRAM above the starting point
@@ -872,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows-per-head", type=int, help="engram rows per hash head (default 65536; tiny 4096)")
     p.add_argument("--skip-engram", action="store_true")
     p.add_argument("--load-repeats", type=int, help="loads per variant and size, their median the load figure "
-                   "(default 1; --tiny 5)")
+                   "(default 1; --tiny 11)")
     p.add_argument("--paired-rounds", type=int, help="rounds of the paired later steps per size (stock_bf16, "
                    "pack_weight_only and pack_auto held at once, sampled in turns; 0: none; default 1, --tiny 3: "
                    "a GPU's steps are timed by CUDA events on a device of its own, a CPU's by a shared clock)")
@@ -883,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
                    "CPU); the processor's own caches, clock and memory stay, so it is an emulation, said so in the output")
     args = p.parse_args(argv)
     if args.load_repeats is None:
-        args.load_repeats = 5 if args.tiny else 1
+        args.load_repeats = 11 if args.tiny else 1
     if args.load_repeats < 1:
         p.error("--load-repeats must be at least 1")
     if args.paired_rounds is None:

@@ -40,8 +40,9 @@ def tiny_run(tmp_path_factory):
         missing_tree(f"needs a ComfyUI tree and its environment: {exc}")
     env = dict(os.environ, COMFYUI_PATH=str(tree), PYTHONUNBUFFERED="1")
     work = tmp_path_factory.mktemp("e2e_tiny")
-    proc = subprocess.run([str(python), str(SCRIPT), "--tiny", "--keep-dir", str(work)], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=str(ROOT))
+    # three loads a variant, not --tiny's eleven: the figures are not asserted, the rounds' code runs all the same
+    proc = subprocess.run([str(python), str(SCRIPT), "--tiny", "--load-repeats", "3", "--keep-dir", str(work)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT))
     assert proc.returncode == 0, f"bench/e2e.py --tiny failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     lines = [l for l in proc.stdout.splitlines() if l.strip()]
     return json.loads(lines[-1]), proc.stdout
@@ -56,6 +57,7 @@ def test_tiny_run_measures_every_variant_through_comfyui(tiny_run):
         assert row["finite"], f"{name}: the sampled latent holds inf/nan"
         assert row["first_step_s"] > row["load_s"] > 0, name  # the first step comes after the load
         assert row["step_s"] > 0 and row["steps_timed"] == result["shape"]["steps"] - 1, name
+        assert len(row["loads_s"]) == 3, name  # --load-repeats 3: two in the interleaved rounds, then the sampled one
         assert row["peak_alloc_gib"] is None, f"{name}: no VRAM on the CPU, yet a figure was reported"
     assert rows["stock_bf16"]["sqnr_db"] == "inf"  # the baseline against itself
     for name in ("stock_fp8_cast", "stock_fp8_mixed", "pack_auto", "pack_weight_only", "pack_memory_first"):
