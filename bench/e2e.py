@@ -79,11 +79,11 @@ Per size, the JSON's "sizes" list holds the rows and the ratios the CPU question
 pack_weight_only's and pack_weight_only_copies' later step over stock_bf16's, pack_auto's load over pack_weight_only's and over
 stock_fp8_mixed's, pack_auto's first step over pack_weight_only's, and pack_auto's latent SQNR minus
 pack_weight_only's (dB), and the same later-step, first-step and SQNR figures for pack_memory_first. "variants" and
-"ratios" stay the first size's. Each size's "paired" entry (--paired-rounds, default 1, --tiny 3; 0 for none)
+"ratios" stay the first size's. Each size's "paired" entry (--paired-rounds: --tiny 3, else none by default)
 holds the later steps of stock_bf16, pack_weight_only and pack_auto taken again with the three models loaded at
 once and sampled in turns, and the median over rounds of each round's ratio to stock_bf16: the variants' own runs
 lie minutes apart, and on a shared or virtual machine the speed drifts by more than the differences measured
-(paired_steps).
+(paired_steps; a GPU's steps are timed by CUDA events on a device of its own).
 
     python bench/e2e.py [--tiny] [--double 5] [--single 10] [--steps 8] [--image 1024] [--skip-engram] [--keep-dir DIR]
                         [--cpu-isa avx2]
@@ -875,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-repeats", type=int, help="loads per variant and size, their median the load figure "
                    "(default 1; --tiny 11)")
     p.add_argument("--paired-rounds", type=int, help="rounds of the paired later steps per size (stock_bf16, "
-                   "pack_weight_only and pack_auto held at once, sampled in turns; 0: none; default 1, --tiny 3: "
+                   "pack_weight_only and pack_auto held at once, sampled in turns; default --tiny 3, else 0: "
                    "a GPU's steps are timed by CUDA events on a device of its own, a CPU's by a shared clock)")
     p.add_argument("--arch", choices=("flux", "sd3"), help="diffusion model (default: flux; --tiny: sd3)")
     p.add_argument("--keep-dir", help="make the files here and keep them (default: a temp dir, deleted)")
@@ -888,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_repeats < 1:
         p.error("--load-repeats must be at least 1")
     if args.paired_rounds is None:
-        args.paired_rounds = 3 if args.tiny else 1
+        args.paired_rounds = 3 if args.tiny else 0
     if args.paired_rounds < 0:
         p.error("--paired-rounds must be 0 or more")
     if args.cpu_isa and os.environ.get("FP8_ENGRAM_BENCH_ISA") != args.cpu_isa:
