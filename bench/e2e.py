@@ -588,7 +588,9 @@ def paired_steps(c: Comfy, loads: dict, shape: Shape, positive, rounds: int) -> 
     models = {n: loads[n]() for n in names}
     safetensors_file.background_reads_done()  # the pack loads' reads of their FP8 codes end before any step
     gc.collect()
-    for n in names:  # one uncounted sample each: the first sample after the loads ran 5-20x slower (tiny SD3, CPU)
+    # one uncounted sample each: the first after the loads ran ~20x slower
+    # (tiny SD3 on the CPU, CI running beside it: 0.28 s against 0.013)
+    for n in names:
         sample(c, models[n], shape, positive, StepClock(c), steps=2)
     steps: dict = {n: [] for n in names}
     for r in range(rounds):
